@@ -1,0 +1,106 @@
+"""Helpers that drive real kvfs mounts through the installed command-line tools.
+
+Tests use these instead of talking to kvfs internals: a test mounts a real
+filesystem in a daemon process and then uses it through ordinary syscalls.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_tool(module, *args, check=True, timeout=300, input=None):
+    """Run one of kvfs's command-line tools (``kvfs.cli.<module>``)."""
+    cmd = [sys.executable, "-m", f"kvfs.cli.{module}", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                             f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
+    return proc
+
+
+class KvfsMount:
+    """One kvfs filesystem: a store file plus a mountpoint."""
+
+    def __init__(self, root: Path, size="4G", block_size=None, mount_options=()):
+        self.root = Path(root)
+        self.device = self.root / "store.kvfs"
+        self.mnt = self.root / "mnt"
+        self.mnt.mkdir(exist_ok=True)
+        self.size = size
+        self.block_size = block_size
+        self.mount_options = list(mount_options)
+        self.pid = None
+
+    # -- lifecycle -------------------------------------------------------
+    def mkfs(self, *extra):
+        args = ["--size", self.size]
+        if self.block_size:
+            args += ["--block-size", self.block_size]
+        return run_tool("mkfs", *args, *extra, self.device)
+
+    def mount(self, *options):
+        opts = [*self.mount_options, *options]
+        args = [self.device, self.mnt]
+        if opts:
+            args += ["-o", ",".join(opts)]
+        run_tool("mount", *args, timeout=120)
+        self.pid = self.stats()["pid"]
+        return self
+
+    @property
+    def mounted(self):
+        return os.path.ismount(self.mnt)
+
+    def umount(self):
+        """Clean unmount through kvfs-admin (flushes, waits for the daemon)."""
+        run_tool("admin", "umount", self.mnt, timeout=300)
+        assert not self.mounted
+        self.pid = None
+
+    def kill9(self):
+        """Crash the daemon and clean up the dead mount like an operator would."""
+        pid = self.pid or self.stats()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            # Reap if we are the parent (we are not: the daemon re-parents to init).
+            time.sleep(0.05)
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        self.pid = None
+
+    def remount(self):
+        if self.mounted:
+            self.umount()
+        return self.mount()
+
+    # -- queries ---------------------------------------------------------
+    def admin(self, *args, check=True, timeout=300):
+        return run_tool("admin", *args, check=check, timeout=timeout)
+
+    def stats(self):
+        out = run_tool("admin", "stats", "--json", self.mnt).stdout
+        return json.loads(out)
+
+    def flush(self):
+        run_tool("admin", "flush", self.mnt)
+
+    def fsck(self, *extra, check=False):
+        return run_tool("fsck", *extra, self.device, check=check, timeout=600)
+
+    def assert_fsck_clean(self):
+        proc = self.fsck()
+        assert proc.returncode == 0, f"fsck not clean:\n{proc.stdout}\n{proc.stderr}"
+
+    def teardown(self):
+        """Unmount if needed and demand a clean fsck: every test ends with one."""
+        if self.mounted:
+            try:
+                self.umount()
+            except Exception:
+                subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+                raise
+        self.assert_fsck_clean()
