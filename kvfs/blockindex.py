@@ -1,0 +1,197 @@
+"""The block index: content key -> extent, with reference counts and dedup.
+
+A block is named by the keyed xxh3-128 of its bytes (the key is the
+filesystem's random ``hash_seed``), so identical blocks are stored once.
+
+Each entry counts two kinds of users:
+
+``refs``  references from *durable* file contents, i.e. from content records in
+          the journal or checkpoint. Only record application changes them, so
+          replay reproduces them exactly.
+``pins``  live users in RAM (the current block lists of open or cached files,
+          a flush in progress). They keep a block alive between the moment its
+          data is written and the moment a content record names it.
+
+An entry is dropped, and its extent freed, when both reach zero. The extent
+store delays reuse of the extent until the freeing record is durable.
+"""
+import dataclasses
+import logging
+
+import trio
+import xxhash
+
+from .errors import CorruptBlock, FormatError, NoSpace
+from .extents import Allocator
+
+log = logging.getLogger(__name__)
+
+
+class BlockEntry:
+    __slots__ = ("off", "length", "refs", "pins")
+
+    def __init__(self, off, length, refs=0, pins=0):
+        self.off, self.length, self.refs, self.pins = off, length, refs, pins
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexStatistics:
+    unique_blocks: int
+    used_bytes: int
+    blocks_written: int
+    data_bytes_written: int
+    dedup_hits: int
+    corrupt_reads: int
+    reserved_bytes: int
+
+
+class BlockIndex:
+    def __init__(self, store, hash_limiter=None):
+        self.store = store
+        self.device = store.device
+        self.block_size = store.sb.block_size
+        self.seed = store.sb.hash_seed
+        self.entries = {}
+        self._writing = {}          # key -> (Event, off, length) while its data is being written
+        self.used_bytes = 0         # allocated bytes of all entries (4 KiB granular)
+        self.reserved_bytes = 0     # space promised to dirty blocks not yet flushed
+        self.hash_limiter = hash_limiter or trio.CapacityLimiter(4)
+        self._blocks_written = self._data_bytes_written = 0
+        self._dedup_hits = self._corrupt_reads = 0
+
+    # -- keys -------------------------------------------------------------
+    def key_of(self, data):
+        return xxhash.xxh3_128_digest(data, seed=self.seed)
+
+    async def hash(self, data):
+        return await trio.to_thread.run_sync(self.key_of, data, limiter=self.hash_limiter)
+
+    # -- state ------------------------------------------------------------
+    def load(self, state):
+        for key, off, length, refs in state.get("blocks", ()):
+            self.entries[key] = BlockEntry(off, length, refs)
+            self.used_bytes += _aligned(length)
+
+    def snapshot(self):
+        """Blocks named by durable contents, plus the matching free-space map.
+
+        Extents held only by pins, writes in flight or frees waiting for the
+        journal are free as far as the checkpoint is concerned: no durable
+        record references them.
+        """
+        blocks, transient = [], []
+        for key, e in self.entries.items():
+            if e.refs:
+                blocks.append((key, e.off, e.length, e.refs))
+            else:
+                transient.append((e.off, e.length))
+        transient += [(off, n) for _, off, n in self._writing.values()]
+        transient += [(off, n) for _, off, n in self.store._pending_frees]
+        free = Allocator(self.store.sb.data_off, self.store.sb.data_len, self.store.allocator.extents())
+        for off, n in transient:
+            free.free(off, n)
+        return {"blocks": blocks, "free": free.extents()}
+
+    def extent(self, key):
+        e = self.entries[key]
+        return e.off, e.length
+
+    # -- references -------------------------------------------------------
+    def add_ref(self, key, off, length):
+        """A content record names ``key`` at ``off``; during replay this allocates it."""
+        e = self.entries.get(key)
+        if e is None:
+            self.store.allocate_at(off, length)
+            self.entries[key] = e = BlockEntry(off, length)
+            self.used_bytes += _aligned(length)
+        elif (e.off, e.length) != (off, length):
+            raise FormatError(f"block {key.hex()} recorded at two extents")
+        e.refs += 1
+
+    def drop_ref(self, key):
+        e = self.entries[key]
+        e.refs -= 1
+        self._maybe_free(key, e)
+
+    def pin(self, key):
+        self.entries[key].pins += 1
+
+    def unpin(self, key):
+        e = self.entries[key]
+        e.pins -= 1
+        self._maybe_free(key, e)
+
+    def _maybe_free(self, key, e):
+        if e.refs <= 0 and e.pins <= 0:
+            del self.entries[key]
+            self.used_bytes -= _aligned(e.length)
+            self.store.free(e.off, e.length)
+
+    # -- space --------------------------------------------------------------
+    def available_bytes(self):
+        return self.store.allocator.free_bytes - self.reserved_bytes
+
+    async def reserve(self, nbytes):
+        """Promise space to a dirty block, so the writer gets ENOSPC, not a lost flush."""
+        if self.available_bytes() < nbytes and self.store.pending_free_bytes:
+            await self.store.commit()           # frees wait for durability; hurry them
+        if self.available_bytes() < nbytes:
+            raise NoSpace("no space left on the kvfs device")
+        self.reserved_bytes += nbytes
+
+    def unreserve(self, nbytes):
+        self.reserved_bytes -= nbytes
+
+    # -- data ---------------------------------------------------------------
+    async def store_block(self, data):
+        """Make ``data`` a stored block and pin it; write it only if it is new."""
+        key = await self.hash(data)
+        while True:
+            e = self.entries.get(key)
+            if e is not None:
+                e.pins += 1
+                self._dedup_hits += 1
+                return key
+            writing = self._writing.get(key)
+            if writing is None:
+                break
+            await writing[0].wait()         # same block being written by another flusher
+        off = self.store.allocate(len(data))
+        done = trio.Event()
+        self._writing[key] = (done, off, len(data))
+        try:
+            await self.device.pwrite(off, data)
+        except BaseException:
+            # Never referenced by anything: give the extent straight back.
+            self.store.allocator.free(off, len(data))
+            raise
+        finally:
+            del self._writing[key]
+            done.set()
+        self.entries[key] = BlockEntry(off, len(data), pins=1)
+        self.used_bytes += _aligned(len(data))
+        self._blocks_written += 1
+        self._data_bytes_written += len(data)
+        return key
+
+    def _read_verified(self, key, off, length):
+        data = self.device.pread_sync(off, length)
+        if self.key_of(data) != key:
+            self._corrupt_reads += 1
+            log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
+            raise CorruptBlock(f"block {key.hex()} at offset {off} is corrupt")
+        return data
+
+    async def read_block(self, key):
+        """Read and verify one block; a mismatch raises CorruptBlock (EIO), never bad bytes."""
+        e = self.entries[key]
+        return await self.device.run(self._read_verified, key, e.off, e.length)
+
+    def statistics(self):
+        return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,
+                               self._data_bytes_written, self._dedup_hits, self._corrupt_reads,
+                               self.reserved_bytes)
+
+
+def _aligned(n):
+    return (n + 4095) // 4096 * 4096

@@ -1,0 +1,221 @@
+"""Assemble the layers over one device and serve them through FUSE.
+
+``Filesystem.open`` stacks device -> extent store -> block index -> block cache
+-> namespace and replays the journal. ``serve`` mounts it, runs the background
+tasks, and shuts down gracefully on SIGTERM/SIGINT, ``kvfs-admin umount`` or a
+plain ``umount``: everything dirty is flushed and a checkpoint is written before
+the process exits 0.
+"""
+import dataclasses
+import logging
+import os
+import signal
+import time
+
+import pyfuse3
+import trio
+
+from .blockcache import BlockCache
+from .blockindex import BlockIndex
+from .device import Device
+from .errors import FormatError, KvfsError
+from .extents import ExtentStore
+from .fuseops import KvfsOperations
+from .namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class MountOptions:
+    cache_size: int
+    dirty_limit: int
+    read_depth: int = 32
+    flush_workers: int = 8
+    commit_interval: float = 5.0
+    max_tasks: int = 64
+    allow_other: bool = False
+    write_delay: float = 0.0          # test hook: a deliberately slow device
+    read_ahead_kb: int = 32768
+
+    @classmethod
+    def defaults(cls):
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cache = min(max(ram // 8, 256 << 20), 16 << 30)
+        return cls(cache_size=cache, dirty_limit=cache // 2)
+
+
+class Filesystem:
+    """The layer stack over one open device."""
+
+    def __init__(self, device, store, index, cache, namespace):
+        self.device, self.store, self.index, self.cache, self.ns = device, store, index, cache, namespace
+        self.mounted_at = time.time()
+        self.mountpoint = None
+
+    @classmethod
+    def open(cls, path, options, *, readonly=False):
+        device = Device.open(path, readonly=readonly, write_delay=options.write_delay)
+        try:
+            store = ExtentStore.open(device)
+            index = BlockIndex(store)
+            cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
+                               read_depth=options.read_depth, flush_workers=options.flush_workers)
+            namespace = Namespace(cache, store)
+            try:
+                namespace.load(store.checkpoint_state, store.replay_records)
+            except KvfsError:
+                raise
+            except Exception as exc:
+                raise FormatError(f"the journal does not replay cleanly ({exc!r}): "
+                                  f"run fsck.kvfs") from None
+            replayed = store.replay_report
+            store.finish_replay()
+            store.set_snapshot_source(namespace.snapshot)
+            fs = cls(device, store, index, cache, namespace)
+            fs.replayed = replayed
+            return fs
+        except BaseException:
+            device.close()
+            raise
+
+    def close(self):
+        self.device.close()
+
+    def stats(self):
+        """Every component's statistics, flattened into one dict for kvfs-admin."""
+        dev = self.device.statistics()
+        store = self.store.statistics()
+        idx = self.index.statistics()
+        cache = self.cache.statistics()
+        ns = self.ns.statistics()
+        elapsed = max(time.time() - self.mounted_at, 1e-9)
+        data_used = idx.used_bytes
+        return {
+            "pid": os.getpid(),
+            "mountpoint": self.mountpoint,
+            "device": dev.path,
+            "direct_io": dev.direct_io,
+            "block_size": self.index.block_size,
+            "capacity_bytes": store.capacity_bytes,
+            "free_bytes": max(0, self.index.available_bytes()),
+            "used_bytes": data_used,
+            "logical_bytes": ns.logical_bytes,
+            "unique_blocks": idx.unique_blocks,
+            "dedup_ratio": round(ns.logical_bytes / data_used, 4) if data_used else 1.0,
+            "files": ns.files,
+            "directories": ns.directories,
+            "dirty_bytes": cache.dirty_bytes,
+            "dirty_limit": cache.dirty_limit,
+            "dirty_bytes_max": cache.dirty_bytes_max,
+            "flush_backlog_bytes": cache.flush_backlog_bytes,
+            "cache_size": cache.cache_size,
+            "cache_bytes": cache.cache_bytes,
+            "cache_hits": cache.cache_hits,
+            "cache_misses": cache.cache_misses,
+            "prefetch_inflight_max": cache.prefetch_inflight_max,
+            "device_reads_inflight_max": dev.reads_in_flight_max,
+            "device_bytes_written": dev.bytes_written,
+            "device_bytes_read": dev.bytes_read,
+            "data_bytes_written": idx.data_bytes_written,
+            "blocks_written": idx.blocks_written,
+            "dedup_hits": idx.dedup_hits,
+            "zero_blocks": cache.zero_blocks,
+            "writers_throttled": cache.writers_throttled,
+            "corrupt_reads": idx.corrupt_reads,
+            "read_bytes_per_s": round(cache.bytes_read / elapsed),
+            "write_bytes_per_s": round(cache.bytes_written / elapsed),
+            "bytes_read": cache.bytes_read,
+            "bytes_written": cache.bytes_written,
+            "journal_bytes": store.journal_bytes,
+            "journal_capacity": store.journal_capacity,
+            "generation": store.generation,
+            "commits": store.commits,
+            "checkpoints": store.checkpoints,
+            "open_handles": ns.open_handles,
+            "uptime_s": round(elapsed, 3),
+        }
+
+
+class Daemon:
+    """Serves one Filesystem at a mountpoint; answers admin commands (the ``control``)."""
+
+    def __init__(self, fs, mountpoint, options):
+        self.fs = fs
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.options = options
+        fs.mountpoint = self.mountpoint
+        self._nursery = None
+        self._stopping = False
+
+    def stats(self):
+        return self.fs.stats()
+
+    async def command(self, name):
+        if name == "flush":
+            await self.fs.ns.flush_all()
+        elif name == "drop-caches":
+            self.fs.cache.drop_clean()
+        elif name == "checkpoint":
+            await self.fs.ns.flush_all()
+            await self.fs.store.checkpoint()
+        elif name == "umount":
+            await self.fs.ns.flush_all()
+            self._nursery.start_soon(self._stop)
+        else:
+            raise KvfsError(f"unknown control command {name!r}", 22)
+
+    async def _stop(self):
+        if not self._stopping:
+            self._stopping = True
+            pyfuse3.terminate()
+
+    async def _watch_signals(self):
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal %d: flushing and unmounting", signum)
+                await self.fs.ns.flush_all()
+                await self._stop()
+
+    async def serve(self, ready=lambda: None):
+        fuse_options = set(pyfuse3.default_options)       # default_permissions
+        fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
+        if self.options.allow_other:
+            fuse_options.add("allow_other")
+        ops = KvfsOperations(self.fs.ns, self)
+        pyfuse3.init(ops, self.mountpoint, fuse_options)
+        unmounted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.fs.cache.run)
+                await nursery.start(self.fs.ns.run, self.options.commit_interval)
+                nursery.start_soon(self.fs.store.run_discards)
+                nursery.start_soon(self._watch_signals)
+                if self.fs.replayed.get("records"):
+                    await self.fs.store.checkpoint()       # fold the replayed journal away
+                nursery.start_soon(self._after_mount, ready)
+                await pyfuse3.main(min_tasks=4, max_tasks=self.options.max_tasks)
+                pyfuse3.close(unmount=True)
+                unmounted = True
+                await self.fs.ns.flush_all()
+                await self.fs.store.checkpoint()
+                nursery.cancel_scope.cancel()
+        finally:
+            if not unmounted:
+                pyfuse3.close(unmount=True)
+
+    async def _after_mount(self, ready):
+        # Runs once pyfuse3.main is serving: stat() of the mountpoint needs the daemon.
+        await trio.to_thread.run_sync(self._raise_read_ahead)
+        ready()
+
+    def _raise_read_ahead(self):
+        """Widen the kernel readahead window for this mount (128 KiB by default)."""
+        try:
+            dev = os.stat(self.mountpoint).st_dev
+            path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+            with open(path, "w") as f:
+                f.write(str(self.options.read_ahead_kb))
+        except OSError as exc:
+            log.info("could not raise read_ahead_kb: %s", exc)

@@ -1,0 +1,246 @@
+"""The device: a regular file or block device, read and written in aligned units.
+
+All transfers are whole 4 KiB sectors at 4 KiB-aligned offsets, so the same code
+works with O_DIRECT (used whenever the device accepts it) and without it (tmpfs
+and some network filesystems refuse O_DIRECT; we fall back to buffered I/O and
+rely on fdatasync for durability).
+
+Blocking calls run in worker threads through one CapacityLimiter; os.preadv,
+os.pwrite and xxhash release the GIL, so these threads really run in parallel.
+"""
+import ctypes
+import ctypes.util
+import dataclasses
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import threading
+import time
+
+import trio
+
+from .errors import DeviceError, KvfsError
+from .format import SECTOR, align_up
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+BLKDISCARD = 0x1277
+BLKGETSIZE64 = 0x80081272
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceStatistics:
+    path: str
+    size: int
+    direct_io: bool
+    bytes_read: int
+    bytes_written: int
+    reads: int
+    writes: int
+    syncs: int
+    discards: int
+    reads_in_flight: int
+    reads_in_flight_max: int
+
+
+class Device:
+    """An open kvfs device. Use :meth:`open`; close with :meth:`close`."""
+
+    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64, write_delay=0.0):
+        self.path = str(path)
+        self.fd = fd
+        self.size = size
+        self.direct_io = direct_io
+        self.is_block = is_block
+        self.limiter = trio.CapacityLimiter(io_threads)
+        # Test hook: a deliberately slow device (seconds added to every data write).
+        self.write_delay = write_delay
+        self._lock = threading.Lock()
+        self._bytes_read = self._bytes_written = 0
+        self._reads = self._writes = self._syncs = self._discards = 0
+        self._inflight = self._inflight_max = 0
+        self.discard_supported = True
+
+    @classmethod
+    def open(cls, path, *, readonly=False, lock=True, **kw):
+        """Open ``path``; take an exclusive advisory lock so two daemons cannot share it."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise DeviceError(f"{path}: no such device or file", errno.ENOENT) from None
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            raise DeviceError(f"{path}: not a regular file or block device", errno.ENODEV)
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+        fd, direct = _open_direct(path, flags)
+        try:
+            if lock:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise DeviceError(f"{path}: device is in use (mounted or being checked)",
+                                      errno.EBUSY) from None
+            if stat.S_ISBLK(st.st_mode):
+                buf = fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8)
+                size = int.from_bytes(buf, "little")
+            else:
+                size = st.st_size
+            return cls(path, fd, size, direct, stat.S_ISBLK(st.st_mode), **kw)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # -- synchronous primitives (called in worker threads or by offline tools) --
+    def pread_sync(self, off, length):
+        """Read exactly ``length`` bytes at ``off``; a short read is an error."""
+        if off < 0 or off + length > self.size:
+            raise DeviceError(f"read [{off}, +{length}) is outside the device ({self.size} bytes)")
+        if length == 0:
+            return b""
+        start = off - off % SECTOR
+        span = align_up(off + length) - start
+        buf = mmap.mmap(-1, span)          # page aligned, as O_DIRECT requires
+        with self._lock:
+            self._inflight += 1
+            self._inflight_max = max(self._inflight_max, self._inflight)
+        try:
+            done = 0
+            while done < span:
+                n = os.preadv(self.fd, [memoryview(buf)[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as exc:
+            raise DeviceError(f"device read at {off} failed: {exc.strerror}", exc.errno) from None
+        finally:
+            with self._lock:
+                self._inflight -= 1
+        if done < off - start + length:
+            raise DeviceError(f"short device read at {off}: got {done} of {span} bytes")
+        with self._lock:
+            self._bytes_read += span
+            self._reads += 1
+        data = buf[off - start:off - start + length]
+        buf.close()
+        return data
+
+    def pwrite_sync(self, off, data, *, delay=True):
+        """Write ``data`` at a sector-aligned ``off``, zero-padded to whole sectors."""
+        if off % SECTOR:
+            raise DeviceError(f"unaligned device write at {off}")
+        span = align_up(len(data))
+        if off < 0 or off + span > self.size:
+            raise DeviceError(f"write [{off}, +{span}) is outside the device ({self.size} bytes)",
+                              errno.ENOSPC)
+        if delay and self.write_delay:
+            time.sleep(self.write_delay)
+        buf = mmap.mmap(-1, span)
+        buf[:len(data)] = data
+        try:
+            done = 0
+            view = memoryview(buf)
+            while done < span:
+                n = os.pwrite(self.fd, view[done:], off + done)
+                if n == 0:
+                    raise DeviceError(f"device write at {off} made no progress", errno.EIO)
+                done += n
+            view.release()
+        except OSError as exc:
+            raise DeviceError(f"device write at {off} failed: {exc.strerror}", exc.errno) from None
+        finally:
+            buf.close()
+        with self._lock:
+            self._bytes_written += span
+            self._writes += 1
+
+    def sync_sync(self):
+        try:
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            raise DeviceError(f"device flush failed: {exc.strerror}", exc.errno) from None
+        with self._lock:
+            self._syncs += 1
+
+    def discard_sync(self, off, length):
+        """Tell the device a range is unused (TRIM / hole punch). Best effort."""
+        if not self.discard_supported or length <= 0:
+            return
+        try:
+            if self.is_block:
+                fcntl.ioctl(self.fd, BLKDISCARD, off.to_bytes(8, "little") + length.to_bytes(8, "little"))
+            elif _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length):
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
+                self.discard_supported = False
+                return
+            raise DeviceError(f"discard at {off} failed: {exc.strerror}", exc.errno) from None
+        with self._lock:
+            self._discards += 1
+
+    # -- async wrappers: never block the trio loop --------------------------
+    async def run(self, fn, *args):
+        """Run a blocking device function in a worker thread."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def pread(self, off, length):
+        return await self.run(self.pread_sync, off, length)
+
+    async def pwrite(self, off, data):
+        return await self.run(self.pwrite_sync, off, data)
+
+    async def sync(self):
+        return await self.run(self.sync_sync)
+
+    async def discard(self, off, length):
+        return await self.run(self.discard_sync, off, length)
+
+    def statistics(self):
+        with self._lock:
+            return DeviceStatistics(self.path, self.size, self.direct_io, self._bytes_read,
+                                    self._bytes_written, self._reads, self._writes, self._syncs,
+                                    self._discards, self._inflight, self._inflight_max)
+
+
+def _open_direct(path, flags):
+    """Open with O_DIRECT if the device accepts aligned direct reads, else buffered."""
+    try:
+        fd = os.open(path, flags | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise DeviceError(f"{path}: cannot open: {exc.strerror}", exc.errno) from None
+    else:
+        try:
+            probe = mmap.mmap(-1, SECTOR)
+            os.preadv(fd, [probe], 0)
+            return fd, True
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno != errno.EINVAL:
+                raise DeviceError(f"{path}: cannot read: {exc.strerror}", exc.errno) from None
+    try:
+        return os.open(path, flags), False
+    except OSError as exc:
+        raise DeviceError(f"{path}: cannot open: {exc.strerror}", exc.errno) from None
+
+
+def device_size_of(path):
+    """Size in bytes of an existing regular file or block device (for mkfs)."""
+    st = os.stat(path)
+    if stat.S_ISBLK(st.st_mode):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return int.from_bytes(fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8), "little")
+        finally:
+            os.close(fd)
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    raise KvfsError(f"{path}: not a regular file or block device", errno.ENODEV)

@@ -1,0 +1,379 @@
+"""The extent store: free-space map, journal and checkpoints on the device.
+
+The store knows nothing about files or blocks. It hands out extents (runs of
+4 KiB sectors in the data region), and it makes *records* durable: upper layers
+append small msgpack-able records describing each state change, and
+:meth:`ExtentStore.commit` writes them as one journal frame. When the journal
+fills, the store asks the registered snapshot source for the whole state and
+writes it as a checkpoint instead, which empties the journal.
+
+Freed extents are not reused until the record that freed them is durable:
+otherwise a crash could leave a durable record pointing at an extent that
+already holds someone else's data.
+"""
+import bisect
+import dataclasses
+import errno
+import logging
+
+import msgpack
+import trio
+import xxhash
+
+from . import format as fmt
+from .errors import FormatError, KvfsError, NoSpace
+
+log = logging.getLogger(__name__)
+
+JOURNAL_READ_WINDOW = 4 << 20
+
+
+class Allocator:
+    """Free extents of the data region as a sorted list of starts plus a length map.
+
+    Offsets and lengths are bytes, always multiples of SECTOR. Allocation is
+    next-fit from a rotating cursor, which keeps equal-sized KV blocks packed in
+    write order and makes the common case O(log n).
+    """
+
+    def __init__(self, start, length, free_extents=None):
+        self.start = start
+        self.end = start + length
+        self._starts = []
+        self._len = {}
+        self._cursor = start
+        self.free_bytes = 0
+        for off, n in (free_extents if free_extents is not None else [(start, length)]):
+            self.free(off, n)
+
+    def extents(self):
+        return [(s, self._len[s]) for s in self._starts]
+
+    def allocate(self, nbytes):
+        nbytes = fmt.align_up(nbytes)
+        count = len(self._starts)
+        first = bisect.bisect_left(self._starts, self._cursor)
+        for i in range(count):
+            start = self._starts[(first + i) % count]
+            if self._len[start] >= nbytes:
+                self._take(start, start, nbytes)
+                self._cursor = start + nbytes
+                return start
+        raise NoSpace(f"no free extent of {nbytes} bytes ({self.free_bytes} bytes free in total)")
+
+    def allocate_at(self, off, nbytes):
+        """Mark [off, off+nbytes) allocated; it must be free (used by replay)."""
+        nbytes = fmt.align_up(nbytes)
+        i = bisect.bisect_right(self._starts, off) - 1
+        if i < 0 or self._starts[i] + self._len[self._starts[i]] < off + nbytes:
+            raise FormatError(f"extent [{off}, +{nbytes}) is referenced twice or lies outside free space")
+        self._take(self._starts[i], off, nbytes)
+
+    def _take(self, ext_start, off, nbytes):
+        ext_len = self._len.pop(ext_start)
+        i = bisect.bisect_left(self._starts, ext_start)
+        del self._starts[i]
+        head = off - ext_start
+        tail = ext_start + ext_len - (off + nbytes)
+        if head:
+            self._insert(ext_start, head)
+        if tail:
+            self._insert(off + nbytes, tail)
+        self.free_bytes -= nbytes
+
+    def _insert(self, off, nbytes):
+        bisect.insort(self._starts, off)
+        self._len[off] = nbytes
+
+    def free(self, off, nbytes):
+        nbytes = fmt.align_up(nbytes)
+        if off < self.start or off + nbytes > self.end or off % fmt.SECTOR:
+            raise FormatError(f"freeing extent [{off}, +{nbytes}) outside the data region")
+        i = bisect.bisect_left(self._starts, off)
+        if i < len(self._starts) and self._starts[i] < off + nbytes:
+            raise FormatError(f"double free of extent [{off}, +{nbytes})")
+        if i > 0 and self._starts[i - 1] + self._len[self._starts[i - 1]] > off:
+            raise FormatError(f"double free of extent [{off}, +{nbytes})")
+        self.free_bytes += nbytes
+        # Coalesce with the following and the preceding free extent.
+        if i < len(self._starts) and self._starts[i] == off + nbytes:
+            nbytes += self._len.pop(self._starts[i])
+            del self._starts[i]
+        if i > 0 and self._starts[i - 1] + self._len[self._starts[i - 1]] == off:
+            self._len[self._starts[i - 1]] += nbytes
+            return
+        self._starts.insert(i, off)
+        self._len[off] = nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStatistics:
+    generation: int
+    journal_bytes: int
+    journal_capacity: int
+    journal_frames: int
+    commits: int
+    checkpoints: int
+    records_pending: int
+    capacity_bytes: int
+    free_bytes: int
+    pending_free_bytes: int
+
+
+class ExtentStore:
+    """Allocator + journal + checkpoints over one open :class:`~kvfs.device.Device`."""
+
+    def __init__(self, device, superblock):
+        self.device = device
+        self.sb = superblock
+        self.allocator = None
+        self.generation = 0
+        self._active_slot = 0           # slot index holding the newest checkpoint
+        self._journal_cursor = 0        # bytes of journal used in this generation
+        self._frame_seq = 0
+        self._pending = []              # records appended, not yet durable
+        self._appended = 0              # records appended since mount (monotonic)
+        self._durable = 0               # of those, how many are durable
+        self._pending_frees = []        # (appended-count, off, nbytes) awaiting durability
+        self.replaying = True           # frees take effect at once during replay
+        self._snapshot_source = None
+        self._commit_lock = trio.Lock()
+        self._commits = self._checkpoints = 0
+        self._discard_queue = []        # durable frees awaiting TRIM
+        self.checkpoint_state = {}
+        self.replay_records = []
+        self.replay_report = {}
+
+    # -- opening ----------------------------------------------------------
+    @classmethod
+    def open(cls, device):
+        """Read superblock, newest checkpoint and the committed journal (synchronously)."""
+        sb = read_superblock(device)
+        store = cls(device, sb)
+        store._load_checkpoint()
+        store._load_journal()
+        return store
+
+    def _read_slot(self, slot):
+        off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
+        header = fmt.decode_checkpoint_header(self.device.pread_sync(off, fmt.SECTOR), self.sb.checkpoint_len)
+        if header is None:
+            return None
+        generation, length, digest = header
+        payload = self.device.pread_sync(off + fmt.SECTOR, length)
+        if xxhash.xxh64_intdigest(payload) != digest:
+            log.warning("checkpoint slot %s (generation %s) is torn; ignoring it", "AB"[slot], generation)
+            return None
+        return generation, payload
+
+    def _load_checkpoint(self):
+        slots = [(self._read_slot(s), s) for s in (0, 1)]
+        valid = [(found[0], slot, found[1]) for found, slot in slots if found]
+        if not valid:
+            raise FormatError("no valid checkpoint in either slot: the metadata is corrupt "
+                              "(fsck.kvfs cannot rebuild it; the data blocks are unreadable without it)")
+        self.generation, self._active_slot, payload = max(valid)
+        try:
+            self.checkpoint_state = msgpack.unpackb(payload, strict_map_key=False)
+        except Exception as exc:
+            raise FormatError(f"checkpoint payload does not decode: {exc}") from None
+        free = self.checkpoint_state.get("free")
+        self.allocator = Allocator(self.sb.data_off, self.sb.data_len,
+                                   [tuple(e) for e in free] if free is not None else None)
+
+    def _load_journal(self):
+        """Collect records of the committed journal prefix; stop at the first bad frame."""
+        base, limit = self.sb.journal_off, self.sb.journal_len
+        cursor, seq, records, stop = 0, 0, [], "end of journal region"
+        window_off, window = 0, b""
+        while cursor + fmt.SECTOR <= limit:
+            if not (window_off <= cursor and cursor + fmt.SECTOR <= window_off + len(window)):
+                window_off = cursor
+                window = self.device.pread_sync(base + cursor, min(JOURNAL_READ_WINDOW, limit - cursor))
+            header = fmt.decode_journal_header(window[cursor - window_off:])
+            if header is None:
+                stop = "no further frame"
+                break
+            generation, frame_seq, length, digest = header
+            if generation != self.generation or frame_seq != seq:
+                stop = "frame of another generation"
+                break
+            size = fmt.frame_size(length)
+            if cursor + size > limit:
+                stop = "frame overruns the journal region (torn)"
+                break
+            if cursor + size > window_off + len(window):
+                window_off = cursor
+                window = self.device.pread_sync(base + cursor, min(max(JOURNAL_READ_WINDOW, size), limit - cursor))
+            start = cursor - window_off + fmt.JOURNAL_FRAME.size
+            payload = window[start:start + length]
+            if xxhash.xxh64_intdigest(payload) != digest:
+                stop = "torn frame (payload checksum mismatch): uncommitted tail dropped"
+                break
+            try:
+                records.extend(msgpack.unpackb(payload, strict_map_key=False))
+            except Exception:
+                stop = "frame payload does not decode: uncommitted tail dropped"
+                break
+            cursor += size
+            seq += 1
+        self._journal_cursor, self._frame_seq = cursor, seq
+        self.replay_records = records
+        self.replay_report = {"frames": seq, "records": len(records), "bytes": cursor, "stopped": stop}
+
+    def finish_replay(self):
+        """Called once upper layers have applied the replayed records."""
+        self.replaying = False
+        self.replay_records = []
+        self.checkpoint_state = {}
+
+    # -- space --------------------------------------------------------------
+    def allocate(self, nbytes):
+        return self.allocator.allocate(nbytes)
+
+    def allocate_at(self, off, nbytes):
+        self.allocator.allocate_at(off, nbytes)
+
+    def free(self, off, nbytes):
+        """Free an extent; live frees wait until the freeing record is durable."""
+        if self.replaying:
+            self.allocator.free(off, nbytes)
+        else:
+            self._pending_frees.append((self._appended, off, fmt.align_up(nbytes)))
+
+    @property
+    def pending_free_bytes(self):
+        return sum(n for _, _, n in self._pending_frees)
+
+    def snapshot(self):
+        """The store's part of a checkpoint: the free map, counting pending frees as used."""
+        return {"free": self.allocator.extents()}
+
+    # -- journal ------------------------------------------------------------
+    def set_snapshot_source(self, fn):
+        """``fn()`` returns the whole filesystem state (a msgpack-able dict) for checkpoints."""
+        self._snapshot_source = fn
+
+    def append(self, record):
+        """Queue a record; it is durable once a later :meth:`commit` returns."""
+        self._pending.append(record)
+        self._appended += 1
+
+    @property
+    def journal_fill(self):
+        return self._journal_cursor / self.sb.journal_len
+
+    async def commit(self):
+        """Make every record appended so far durable (group commit)."""
+        target = self._appended
+        async with self._commit_lock:
+            if self._durable >= target:
+                return
+            records, upto = self._pending, self._appended
+            payload = msgpack.packb(records)
+            if self._journal_cursor + fmt.frame_size(len(payload)) > self.sb.journal_len:
+                await self._checkpoint_locked()
+                return
+            self._pending = []
+            frame = fmt.encode_journal_frame(self.generation, self._frame_seq, payload)
+            try:
+                await self.device.sync()             # block data before the records naming it
+                await self.device.pwrite(self.sb.journal_off + self._journal_cursor, frame)
+                await self.device.sync()
+            except BaseException:
+                self._pending = records + self._pending
+                raise
+            self._journal_cursor += len(frame)
+            self._frame_seq += 1
+            self._commits += 1
+            self._made_durable(upto)
+
+    async def checkpoint(self):
+        """Write the whole state to the inactive slot and start a new journal generation."""
+        async with self._commit_lock:
+            await self._checkpoint_locked()
+
+    async def _checkpoint_locked(self):
+        # The snapshot is taken synchronously, so it reflects exactly the records
+        # appended up to now; later records go into the new generation's journal.
+        state = self._snapshot_source()
+        upto = self._appended
+        self._pending = []
+        payload = msgpack.packb(state)
+        if fmt.SECTOR + len(payload) > self.sb.checkpoint_len:
+            raise KvfsError(f"metadata ({len(payload)} bytes) exceeds the checkpoint slot "
+                            f"({self.sb.checkpoint_len} bytes)", errno.ENOSPC)
+        slot = 1 - self._active_slot
+        off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
+        generation = self.generation + 1
+        await self.device.sync()
+        await self.device.pwrite(off, fmt.encode_checkpoint_header(generation, payload) + payload)
+        await self.device.sync()
+        self.generation, self._active_slot = generation, slot
+        self._journal_cursor = self._frame_seq = 0
+        self._checkpoints += 1
+        self._made_durable(upto)
+
+    def _made_durable(self, upto):
+        self._durable = max(self._durable, upto)
+        keep = []
+        for appended_at, off, nbytes in self._pending_frees:
+            if appended_at <= upto:
+                self.allocator.free(off, nbytes)
+                self._discard_queue.append((off, nbytes))
+            else:
+                keep.append((appended_at, off, nbytes))
+        self._pending_frees = keep
+
+    async def run_discards(self):
+        """Background task: TRIM freed extents (best effort, after they are durable)."""
+        while True:
+            await trio.sleep(0.5)
+            queue, self._discard_queue = self._discard_queue, []
+            for off, nbytes in queue:
+                try:
+                    await self.device.discard(off, nbytes)
+                except KvfsError as exc:
+                    log.warning("discard failed: %s", exc)
+
+    def statistics(self):
+        return StoreStatistics(self.generation, self._journal_cursor, self.sb.journal_len,
+                               self._frame_seq, self._commits, self._checkpoints,
+                               len(self._pending), self.sb.data_len, self.allocator.free_bytes,
+                               self.pending_free_bytes)
+
+
+def read_superblock(device):
+    """Decode the primary superblock, naming the backup if only that one is good."""
+    if device.size < fmt.MIN_DEVICE_SIZE:
+        raise FormatError(f"{device.path}: {device.size} bytes is too small to hold kvfs")
+    head = device.pread_sync(0, 2 * fmt.SECTOR)
+    try:
+        sb = fmt.Superblock.decode(head[:fmt.SECTOR])
+    except FormatError as primary_error:
+        try:
+            fmt.Superblock.decode(head[fmt.SECTOR:])
+        except FormatError:
+            raise primary_error from None
+        raise FormatError(f"{primary_error}; the backup superblock is intact: "
+                          f"run fsck.kvfs --repair to restore it") from None
+    if device.size < sb.device_size:
+        raise FormatError(f"{device.path} is {device.size} bytes but the filesystem was made for "
+                          f"{sb.device_size}: the device is truncated")
+    return sb
+
+
+def format_device(device, block_size, now_ns):
+    """Write a fresh, empty filesystem (mkfs). Returns the superblock."""
+    sb = fmt.Superblock.create(device.size, block_size, now_ns)
+    empty = msgpack.packb({})
+    zero = b"\0" * fmt.SECTOR
+    for off in (sb.checkpoint_b_off, sb.journal_off):
+        device.pwrite_sync(off, zero)
+    device.pwrite_sync(sb.checkpoint_a_off, fmt.encode_checkpoint_header(1, empty) + empty)
+    device.sync_sync()
+    # Superblocks last: until they are written the device is not a kvfs.
+    device.pwrite_sync(0, sb.encode() + sb.encode())
+    device.sync_sync()
+    device.discard_sync(sb.data_off, sb.data_len)
+    return sb

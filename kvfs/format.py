@@ -1,0 +1,235 @@
+"""The kvfs on-disk format. This module is its definition; docs/format.md explains it.
+
+Device layout (all offsets in bytes, every region 4 KiB aligned)::
+
+    0        primary superblock           (one 4 KiB sector, SUPERBLOCK below)
+    4096     backup superblock            (identical copy, written by mkfs)
+    8192     checkpoint slot A            (CHECKPOINT_HEADER + msgpack state)
+    ...      checkpoint slot B            (same size as A)
+    ...      journal                      (a sequence of frames, JOURNAL_FRAME + msgpack)
+    data_off data region                  (block extents, 4 KiB allocation units)
+
+Integers are little-endian. Every header carries an xxh64 of its own bytes and
+of its payload; readers check magic, version, bounds and both hashes before
+trusting a byte.
+
+Crash invariants (see docs/format.md for the argument):
+
+* A checkpoint slot is only written while the other slot holds the newest valid
+  checkpoint, so one valid checkpoint always exists.
+* Journal frames carry the generation of the checkpoint they follow and a
+  sequence number starting at 0. Replay stops at the first frame that is torn,
+  has the wrong generation or breaks the sequence: that is the uncommitted tail.
+* A journal frame is written only after the data of every block it references
+  is durable (the journal writer issues fdatasync before and after the frame).
+"""
+import os
+import struct
+import uuid as uuidlib
+
+import xxhash
+
+from .errors import FormatError
+
+SECTOR = 4096          # alignment of every metadata write and allocation unit
+MAGIC_SUPERBLOCK = b"KVFSSUPR"
+MAGIC_CHECKPOINT = b"KVFSCKPT"
+MAGIC_JOURNAL = b"KVFSJRNL"
+FORMAT_VERSION = 1
+
+DEFAULT_BLOCK_SIZE = 1 << 20   # = one FUSE request; 32 blocks per Llama-3-8B chunk
+MIN_BLOCK_SIZE = 64 << 10
+MAX_BLOCK_SIZE = 16 << 20
+MIN_DEVICE_SIZE = 64 << 20
+
+SUPERBLOCK = struct.Struct(
+    "<"
+    "8s"   # magic             MAGIC_SUPERBLOCK
+    "I"    # version           FORMAT_VERSION
+    "I"    # sector            SECTOR; allocation unit and metadata alignment
+    "16s"  # uuid              random per filesystem
+    "I"    # block_size        file contents are cut into blocks of this size
+    "I"    # reserved0         zero
+    "Q"    # hash_seed         random per filesystem: the key of the keyed xxh3-128
+    "Q"    # device_size       bytes the filesystem was made for; the device must be at least this
+    "Q"    # checkpoint_a_off  offset of checkpoint slot A
+    "Q"    # checkpoint_b_off  offset of checkpoint slot B
+    "Q"    # checkpoint_len    size of each checkpoint slot
+    "Q"    # journal_off       offset of the journal region
+    "Q"    # journal_len       size of the journal region
+    "Q"    # data_off          first byte of the data region
+    "Q"    # data_len          size of the data region
+    "Q"    # created_ns        mkfs time, ns since the epoch
+)
+SUPERBLOCK_CHECKED = struct.Struct("<" + SUPERBLOCK.format[1:] + "Q")  # + xxh64 of the above
+assert SUPERBLOCK.size == 120, SUPERBLOCK.size
+assert SUPERBLOCK_CHECKED.size == 128
+
+CHECKPOINT_HEADER = struct.Struct(
+    "<"
+    "8s"   # magic             MAGIC_CHECKPOINT
+    "Q"    # generation        increases by one per checkpoint; the newest valid slot wins
+    "Q"    # payload_len       bytes of msgpack state that follow the 4 KiB header sector
+    "Q"    # payload_hash      xxh64 of the payload
+    "Q"    # header_hash       xxh64 of the 32 bytes above
+)
+assert CHECKPOINT_HEADER.size == 40
+
+JOURNAL_FRAME = struct.Struct(
+    "<"
+    "8s"   # magic             MAGIC_JOURNAL
+    "Q"    # generation        generation of the checkpoint this frame follows
+    "Q"    # seq               0, 1, 2, ... within a generation; a gap ends replay
+    "I"    # payload_len       bytes of msgpack (a list of records) after the header
+    "I"    # reserved0         zero
+    "Q"    # payload_hash      xxh64 of the payload
+    "Q"    # header_hash       xxh64 of the 40 bytes above
+)
+assert JOURNAL_FRAME.size == 48
+
+
+def align_up(n, a=SECTOR):
+    return (n + a - 1) // a * a
+
+
+def align_down(n, a=SECTOR):
+    return n // a * a
+
+
+class Superblock:
+    """Decoded superblock. Field meanings are documented on ``SUPERBLOCK``."""
+
+    FIELDS = ("magic", "version", "sector", "uuid", "block_size", "reserved0", "hash_seed",
+              "device_size", "checkpoint_a_off", "checkpoint_b_off", "checkpoint_len",
+              "journal_off", "journal_len", "data_off", "data_len", "created_ns")
+
+    def __init__(self, **fields):
+        for name in self.FIELDS:
+            setattr(self, name, fields[name])
+
+    @classmethod
+    def create(cls, device_size, block_size=DEFAULT_BLOCK_SIZE, now_ns=0):
+        """Compute the layout for a new filesystem of ``device_size`` bytes."""
+        if block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+            raise FormatError(f"block size must be a power of two between "
+                              f"{MIN_BLOCK_SIZE >> 10} KiB and {MAX_BLOCK_SIZE >> 20} MiB")
+        if device_size < MIN_DEVICE_SIZE:
+            raise FormatError(f"device too small: {device_size} bytes, need at least "
+                              f"{MIN_DEVICE_SIZE >> 20} MiB")
+        # Metadata gets 1/16 of the device (24 MiB .. 16 GiB): enough for ~10^6
+        # files per checkpoint slot, and a journal that holds minutes of churn.
+        meta = min(max(device_size // 16, 24 << 20), 16 << 30)
+        checkpoint_len = align_down(meta * 3 // 8, 1 << 20)
+        journal_len = align_down(meta - 2 * checkpoint_len, 1 << 20)
+        checkpoint_a = 2 * SECTOR
+        checkpoint_b = checkpoint_a + checkpoint_len
+        journal_off = checkpoint_b + checkpoint_len
+        data_off = align_up(journal_off + journal_len, 1 << 20)
+        data_len = align_down(device_size - data_off, SECTOR)
+        return cls(magic=MAGIC_SUPERBLOCK, version=FORMAT_VERSION, sector=SECTOR,
+                   uuid=uuidlib.uuid4().bytes, block_size=block_size, reserved0=0,
+                   hash_seed=int.from_bytes(os.urandom(8), "little"),
+                   device_size=device_size, checkpoint_a_off=checkpoint_a,
+                   checkpoint_b_off=checkpoint_b, checkpoint_len=checkpoint_len,
+                   journal_off=journal_off, journal_len=journal_len,
+                   data_off=data_off, data_len=data_len, created_ns=now_ns)
+
+    def encode(self):
+        body = SUPERBLOCK.pack(*(getattr(self, f) for f in self.FIELDS))
+        sector = body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
+        return sector.ljust(SECTOR, b"\0")
+
+    @classmethod
+    def decode(cls, sector):
+        """Parse and validate one superblock sector; raise FormatError with the reason."""
+        if len(sector) < SUPERBLOCK_CHECKED.size:
+            raise FormatError("superblock is truncated")
+        if sector[:8] != MAGIC_SUPERBLOCK:
+            if not any(sector[:SUPERBLOCK_CHECKED.size]):
+                raise FormatError("no kvfs superblock (the device is zero-filled)")
+            raise FormatError("no kvfs superblock (bad magic): not a kvfs device")
+        *values, stored_hash = SUPERBLOCK_CHECKED.unpack_from(sector)
+        if xxhash.xxh64_intdigest(sector[:SUPERBLOCK.size]) != stored_hash:
+            raise FormatError("superblock checksum mismatch: the superblock is corrupt")
+        sb = cls(**dict(zip(cls.FIELDS, values)))
+        if sb.version != FORMAT_VERSION:
+            raise FormatError(f"unsupported kvfs format version {sb.version} "
+                              f"(this kvfs reads version {FORMAT_VERSION})")
+        sb.check_layout()
+        return sb
+
+    def check_layout(self):
+        regions = [(2 * SECTOR, 0), (self.checkpoint_a_off, self.checkpoint_len),
+                   (self.checkpoint_b_off, self.checkpoint_len),
+                   (self.journal_off, self.journal_len), (self.data_off, self.data_len)]
+        end = 0
+        for off, length in regions:
+            if off < end or off % SECTOR or length % SECTOR:
+                raise FormatError("superblock layout is inconsistent: the superblock is corrupt")
+            end = off + length
+        if end > self.device_size or self.sector != SECTOR:
+            raise FormatError("superblock layout exceeds the device size: the superblock is corrupt")
+        if self.block_size & (self.block_size - 1) or not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
+            raise FormatError("superblock block size is invalid: the superblock is corrupt")
+
+
+def encode_checkpoint_header(generation, payload):
+    head = CHECKPOINT_HEADER.pack(MAGIC_CHECKPOINT, generation, len(payload),
+                                  xxhash.xxh64_intdigest(payload), 0)[:32]
+    return (head + struct.pack("<Q", xxhash.xxh64_intdigest(head))).ljust(SECTOR, b"\0")
+
+
+def decode_checkpoint_header(sector, slot_len):
+    """Return (generation, payload_len, payload_hash) or None if the slot holds no valid header."""
+    magic, generation, payload_len, payload_hash, header_hash = CHECKPOINT_HEADER.unpack_from(sector)
+    if magic != MAGIC_CHECKPOINT or xxhash.xxh64_intdigest(sector[:32]) != header_hash:
+        return None
+    if payload_len > slot_len - SECTOR:
+        return None
+    return generation, payload_len, payload_hash
+
+
+def encode_journal_frame(generation, seq, payload):
+    """One frame: header + payload, padded to whole sectors for O_DIRECT."""
+    head = JOURNAL_FRAME.pack(MAGIC_JOURNAL, generation, seq, len(payload), 0,
+                              xxhash.xxh64_intdigest(payload), 0)[:40]
+    head += struct.pack("<Q", xxhash.xxh64_intdigest(head))
+    frame = head + payload
+    return frame.ljust(align_up(len(frame)), b"\0")
+
+
+def decode_journal_header(buf):
+    """Return (generation, seq, payload_len, payload_hash) or None for a torn/absent header."""
+    if len(buf) < JOURNAL_FRAME.size:
+        return None
+    magic, generation, seq, payload_len, _, payload_hash, header_hash = JOURNAL_FRAME.unpack_from(buf)
+    if magic != MAGIC_JOURNAL or xxhash.xxh64_intdigest(bytes(buf[:40])) != header_hash:
+        return None
+    return generation, seq, payload_len, payload_hash
+
+
+def frame_size(payload_len):
+    return align_up(JOURNAL_FRAME.size + payload_len)
+
+
+# Signatures of other data that mkfs refuses to overwrite without --force.
+FOREIGN_SIGNATURES = (
+    (0, b"KVFSSUPR", "a kvfs filesystem"),
+    (1080, b"\x53\xef", "an ext2/3/4 filesystem"),
+    (0, b"XFSB", "an XFS filesystem"),
+    (65600, b"_BHRfS_M", "a btrfs filesystem"),
+    (4086, b"SWAPSPACE2", "a swap area"),
+    (0, b"LUKS\xba\xbe", "a LUKS volume"),
+    (512, b"EFI PART", "a GPT partition table"),
+    (510, b"\x55\xaa", "an MBR partition table"),
+)
+
+
+def identify_existing_data(head):
+    """Describe what the first 64 KiB+ of a device hold, or None if they are all zero."""
+    for off, sig, what in FOREIGN_SIGNATURES:
+        if head[off:off + len(sig)] == sig:
+            return what
+    if any(head):
+        return "non-zero data of unknown type"
+    return None

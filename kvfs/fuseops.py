@@ -1,0 +1,253 @@
+"""pyfuse3 handlers: translate FUSE requests into namespace calls.
+
+This is the only place where errors become errnos: every handler is wrapped by
+:func:`_errno_mapped`, which turns a :class:`KvfsError` into ``FUSEError`` with
+its errno and any other exception into a logged EIO. (pyfuse3 kills its main
+loop on any exception that is not a FUSEError.)
+"""
+import errno
+import functools
+import json
+import logging
+import os
+import stat
+
+import pyfuse3
+
+from .errors import FsError, KvfsError
+from .namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO, VIEW_BIT
+
+log = logging.getLogger(__name__)
+
+assert ROOT_INO == pyfuse3.ROOT_INODE
+
+STATS_XATTR = b"user.kvfs.stats"
+CONTROL_XATTR = b"user.kvfs.control"
+ENTRY_TIMEOUT = 1.0
+ATTR_TIMEOUT = 1.0
+STATFS_BSIZE = 4096          # LMCache uses O_DIRECT only if f_bsize divides its chunk size
+
+
+def _errno_mapped(handler):
+    @functools.wraps(handler)
+    async def wrapper(self, *args):
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except KvfsError as exc:
+            if exc.errno in (errno.EIO, errno.EUCLEAN, errno.ENOSPC):
+                log.warning("%s: %s", handler.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except Exception:
+            log.exception("internal error in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper
+
+
+class KvfsOperations(pyfuse3.Operations):
+    """The FUSE surface. ``control`` answers stats and admin commands (the daemon)."""
+
+    enable_writeback_cache = False
+
+    def __init__(self, namespace, control):
+        super().__init__()
+        self.ns = namespace
+        self.control = control
+        self._dir_handles = {}
+        self._next_dir_fh = 1
+
+    # -- attributes -----------------------------------------------------------
+    def _entry(self, ino):
+        inode, view = self.ns.attr(ino)
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.generation = 0
+        e.entry_timeout = ENTRY_TIMEOUT
+        e.attr_timeout = ATTR_TIMEOUT
+        e.st_mode = inode.mode & ~0o222 if view else inode.mode
+        e.st_nlink = inode.nlink
+        e.st_uid, e.st_gid, e.st_rdev = inode.uid, inode.gid, inode.rdev
+        e.st_size = inode.size
+        e.st_blksize = self.ns.index.block_size
+        e.st_blocks = (inode.size + 511) // 512
+        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, inode.mtime, inode.ctime
+        return e
+
+    @_errno_mapped
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self._entry(self.ns.lookup(parent_inode, name))
+
+    async def forget(self, inode_list):
+        for ino, count in inode_list:
+            try:
+                self.ns.forget(ino, count)
+            except Exception:
+                log.exception("forget(%d) failed", ino)
+
+    @_errno_mapped
+    async def getattr(self, inode, ctx=None):
+        return self._entry(inode)
+
+    @_errno_mapped
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        await self.ns.setattr(
+            inode,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime=attr.st_atime_ns if fields.update_atime else None,
+            mtime=attr.st_mtime_ns if fields.update_mtime else None)
+        return self._entry(inode)
+
+    @_errno_mapped
+    async def readlink(self, inode, ctx):
+        target = self.ns.inode(inode).target
+        if target is None:
+            raise FsError(errno.EINVAL)
+        return target
+
+    # -- names ----------------------------------------------------------------
+    @_errno_mapped
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self._entry(self.ns.make(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+
+    @_errno_mapped
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._entry(self.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid))
+
+    @_errno_mapped
+    async def symlink(self, parent_inode, name, target, ctx):
+        return self._entry(self.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+                                        target=bytes(target)))
+
+    @_errno_mapped
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._entry(self.ns.link(inode, new_parent_inode, new_name))
+
+    @_errno_mapped
+    async def unlink(self, parent_inode, name, ctx):
+        self.ns.unlink(parent_inode, name, directory=False)
+
+    @_errno_mapped
+    async def rmdir(self, parent_inode, name, ctx):
+        self.ns.unlink(parent_inode, name, directory=True)
+
+    @_errno_mapped
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if flags & ~pyfuse3.RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
+        self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                       noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
+
+    # -- files ----------------------------------------------------------------
+    @_errno_mapped
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        ino = self.ns.make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+        fh, direct_io, keep_cache = self.ns.open(ino, flags)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), self._entry(ino)
+
+    @_errno_mapped
+    async def open(self, inode, flags, ctx):
+        fh, direct_io, keep_cache = self.ns.open(inode, flags)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+
+    @_errno_mapped
+    async def read(self, fh, off, size):
+        return await self.ns.read(fh, off, size)
+
+    @_errno_mapped
+    async def write(self, fh, off, buf):
+        return await self.ns.write(fh, off, buf)
+
+    @_errno_mapped
+    async def flush(self, fh):
+        # close() returns at memory speed: data is written back in the background.
+        pass
+
+    @_errno_mapped
+    async def release(self, fh):
+        await self.ns.release(fh)
+
+    @_errno_mapped
+    async def fsync(self, fh, datasync):
+        await self.ns.fsync(fh)
+
+    # -- directories ----------------------------------------------------------
+    @_errno_mapped
+    async def opendir(self, inode, ctx):
+        self.ns.attr(inode)
+        fh = self._next_dir_fh
+        self._next_dir_fh += 1
+        # The by-hash listing is a snapshot per handle, so its offsets stay stable.
+        self._dir_handles[fh] = (inode, list(self.ns.list_dir(inode, 0)) if inode == BY_HASH_INO else None)
+        return fh
+
+    @_errno_mapped
+    async def readdir(self, fh, start_id, token):
+        ino, snapshot = self._dir_handles[fh]
+        entries = snapshot[start_id:] if snapshot is not None else self.ns.list_dir(ino, start_id)
+        for name, child, cookie in entries:
+            try:
+                attrs = self._entry(child)
+            except KvfsError:
+                continue                       # removed while we were listing
+            if not pyfuse3.readdir_reply(token, name, attrs, cookie):
+                break
+            self.ns.count_lookup(child)
+
+    @_errno_mapped
+    async def releasedir(self, fh):
+        self._dir_handles.pop(fh, None)
+
+    @_errno_mapped
+    async def fsyncdir(self, fh, datasync):
+        await self.ns.journal.commit()
+
+    @_errno_mapped
+    async def statfs(self, ctx):
+        index = self.ns.index
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = STATFS_BSIZE
+        s.f_blocks = index.store.sb.data_len // STATFS_BSIZE
+        s.f_bfree = s.f_bavail = max(0, index.available_bytes()) // STATFS_BSIZE
+        s.f_files = 1 << 32
+        s.f_ffree = s.f_favail = (1 << 32) - len(self.ns.inodes)
+        s.f_namemax = 255
+        return s
+
+    # -- extended attributes: content keys and the admin channel -------------
+    @_errno_mapped
+    async def getxattr(self, inode, name, ctx):
+        if inode == ROOT_INO and name == STATS_XATTR:
+            return json.dumps(self.control.stats(), sort_keys=True).encode()
+        if name == KEY_XATTR:
+            node = self.ns.inode(inode)
+            if node.is_file:
+                await self.ns.seal(node)          # the key names sealed content only
+                if not node.content_dirty:
+                    return node.content_key.hex().encode()
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @_errno_mapped
+    async def listxattr(self, inode, ctx):
+        names = []
+        if self.ns.inode(inode).is_file:
+            names.append(KEY_XATTR)
+        if inode == ROOT_INO:
+            names.append(STATS_XATTR)
+        return names
+
+    @_errno_mapped
+    async def setxattr(self, inode, name, value, ctx):
+        if inode == ROOT_INO and name == CONTROL_XATTR:
+            if ctx.uid != 0:
+                raise FsError(errno.EPERM, "kvfs control commands need root")
+            await self.control.command(bytes(value).decode("ascii", "replace"))
+            return
+        raise FsError(errno.ENOTSUP, "kvfs stores no extended attributes")
+
+    @_errno_mapped
+    async def removexattr(self, inode, name, ctx):
+        raise FsError(errno.ENOTSUP, "kvfs stores no extended attributes")

@@ -1,0 +1,690 @@
+"""The namespace: inodes, directory entries, lookup counts and per-file contents.
+
+Every change to durable state is a *record* (a short msgpack-able list).
+Live operations validate their arguments, build a record and hand it to
+:meth:`Namespace._emit`, which applies it with the very same
+:meth:`Namespace.apply` that mount uses to replay the journal. Replay therefore
+cannot drift from live behaviour.
+
+Records (``ns`` is a timestamp in ns, names are bytes)::
+
+    ["mk", parent, name, ino, mode, uid, gid, rdev, ns, target]   create (target: symlinks)
+    ["ln", ino, parent, name, ns]                                  hard link
+    ["rm", parent, name, ns]                                       unlink / rmdir
+    ["mv", old_parent, old_name, new_parent, new_name, ns]         rename (replaces target)
+    ["at", ino, mode, uid, gid, atime, mtime, ctime]               attributes
+    ["ct", ino, size, mtime, ctime, [[key, off, len] | None, ...]] whole file content
+
+A file's content record is written only when all its blocks are on the device
+(after close, fsync or ``kvfs-admin flush``), so after a crash a file shows
+either an older complete content or the new complete content, never a mix.
+
+Invariants (checked by fsck):
+
+* every directory entry names an inode in ``inodes``; every inode but the root
+  is reachable; ``nlink`` equals the number of entries naming it (directories:
+  2 + subdirectories);
+* ``BlockEntry.refs`` equals the number of times durable contents name a key;
+* inode numbers are never reused (``next_ino`` only grows); 0-15 are reserved:
+  1 is the root, 2 is ``/.kvfs``, 3 is ``/.kvfs/by-hash``.
+"""
+import bisect
+import dataclasses
+import errno
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from .blockcache import FileData
+from .errors import FsError, KvfsError
+
+log = logging.getLogger(__name__)
+
+ROOT_INO = 1
+META_DIR_INO = 2          # /.kvfs
+BY_HASH_INO = 3           # /.kvfs/by-hash
+FIRST_INO = 16
+VIEW_BIT = 1 << 62        # inode number of a file seen through /.kvfs/by-hash
+META_NAME = b".kvfs"
+NAME_MAX = 255
+KEY_XATTR = b"user.kvfs.key"
+
+
+class DirEntries:
+    """Name -> inode, plus readdir cookies that stay valid while entries come and go.
+
+    Cookies grow monotonically; removal leaves a tombstone in the cookie list,
+    and the list is compacted once tombstones outnumber live entries, so a
+    listing resumes by bisection instead of a scan.
+    """
+
+    __slots__ = ("by_name", "_cookies", "_names", "_next", "_dead")
+
+    def __init__(self):
+        self.by_name = {}          # name -> (ino, cookie)
+        self._cookies = []         # sorted cookies (possibly tombstoned)
+        self._names = {}           # cookie -> name (absent: tombstone)
+        self._next = 1
+        self._dead = 0
+
+    def __len__(self):
+        return len(self.by_name)
+
+    def get(self, name):
+        hit = self.by_name.get(name)
+        return None if hit is None else hit[0]
+
+    def add(self, name, ino):
+        self._next += 1
+        self.by_name[name] = (ino, self._next)
+        self._cookies.append(self._next)
+        self._names[self._next] = name
+
+    def remove(self, name):
+        _, cookie = self.by_name.pop(name)
+        del self._names[cookie]
+        self._dead += 1
+        if self._dead > len(self.by_name) + 64:
+            self._cookies = [c for c in self._cookies if c in self._names]
+            self._dead = 0
+
+    def items_after(self, cookie):
+        """Yield (name, ino, cookie) for entries with a cookie greater than ``cookie``."""
+        i = bisect.bisect_right(self._cookies, cookie)
+        while i < len(self._cookies):
+            c = self._cookies[i]
+            name = self._names.get(c)
+            if name is not None:
+                yield name, self.by_name[name][0], c
+            i += 1
+
+
+class Inode:
+    __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
+                 "parent", "entries", "target", "data", "committed", "size_committed",
+                 "content_key", "content_version", "cached_version", "content_dirty",
+                 "lookups", "opens", "writers", "sealing")
+
+    def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
+        self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
+        self.nlink = 2 if stat.S_ISDIR(mode) else 1
+        self.atime = self.mtime = self.ctime = now
+        self.parent = None                 # directories only
+        self.entries = DirEntries() if stat.S_ISDIR(mode) else None
+        self.target = None                 # symlinks only
+        self.data = FileData() if stat.S_ISREG(mode) else None
+        self.committed = []                # durable block list: [key | None, ...]
+        self.size_committed = 0
+        self.content_key = None
+        self.content_version = 0           # bumped on every content change
+        self.cached_version = -1           # content version the kernel page cache holds
+        self.content_dirty = False         # live content differs from the durable record
+        self.lookups = self.opens = self.writers = 0
+        self.sealing = False
+
+    @property
+    def is_dir(self):
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self):
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def size(self):
+        if self.data is not None:
+            return self.data.size
+        if self.target is not None:
+            return len(self.target)
+        return 4096 if self.is_dir else 0
+
+
+@dataclasses.dataclass
+class Handle:
+    inode: Inode
+    writable: bool
+    view: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceStatistics:
+    inodes: int
+    files: int
+    directories: int
+    logical_bytes: int
+    open_handles: int
+    orphans: int
+    next_ino: int
+
+
+class Namespace:
+    def __init__(self, cache, journal, *, now=time.time_ns):
+        self.cache = cache
+        self.index = cache.index
+        self.journal = journal
+        self.now = now
+        self.inodes = {}           # durable inodes
+        self.orphans = {}          # unlinked but still open or looked up
+        self.by_content = {}       # content key -> set of inode numbers
+        self.handles = {}
+        self._next_fh = 1
+        self.next_ino = FIRST_INO
+        self._nursery = None
+
+    # -- state --------------------------------------------------------------
+    def load(self, state, records):
+        """Build the namespace from a checkpoint state and the replayed journal records."""
+        self.index.load(state)
+        self.next_ino = state.get("next_ino", FIRST_INO)
+        for row in state.get("inodes", ()):
+            self._load_inode(row)
+        if ROOT_INO not in self.inodes:     # a fresh filesystem: mkfs writes an empty state
+            root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now=self.now())
+            root.parent = ROOT_INO
+            self.inodes[ROOT_INO] = root
+        for record in records:
+            self.apply(record)
+        for inode in self.inodes.values():
+            if inode.is_file:
+                inode.data = FileData(inode.size_committed, inode.committed)
+                self.cache.attach(inode.data)
+
+    def _load_inode(self, row):
+        ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload = row
+        inode = Inode(ino, mode, uid, gid, rdev)
+        inode.nlink, inode.atime, inode.mtime, inode.ctime = nlink, atime, mtime, ctime
+        if inode.is_dir:
+            inode.parent = payload[0]
+            for name, child in payload[1]:
+                inode.entries.add(name, child)
+        elif inode.is_file:
+            size, keys = payload
+            self._set_committed(inode, size, keys)
+        elif stat.S_ISLNK(mode):
+            inode.target = payload
+        self.inodes[ino] = inode
+
+    def snapshot(self):
+        rows = []
+        for inode in self.inodes.values():
+            if inode.is_dir:
+                payload = [inode.parent, [(n, i) for n, (i, _) in inode.entries.by_name.items()]]
+            elif inode.is_file:
+                payload = [inode.size_committed, inode.committed]
+            else:
+                payload = inode.target
+            rows.append((inode.ino, inode.mode, inode.uid, inode.gid, inode.nlink, inode.rdev,
+                         inode.atime, inode.mtime, inode.ctime, payload))
+        state = self.index.snapshot()
+        state.update(next_ino=self.next_ino, inodes=rows)
+        return state
+
+    # -- record application (shared by live operations and replay) ----------
+    def _emit(self, record):
+        self.apply(record)
+        self.journal.append(record)
+
+    def apply(self, rec):
+        op = rec[0]
+        if op == "mk":
+            _, parent, name, ino, mode, uid, gid, rdev, ns, target = rec
+            inode = Inode(ino, mode, uid, gid, rdev, ns)
+            inode.target = target
+            self.inodes[ino] = inode
+            self.next_ino = max(self.next_ino, ino + 1)
+            self._link(self.inodes[parent], name, inode, ns)
+            if inode.is_file:
+                self._set_committed(inode, 0, [])
+        elif op == "ln":
+            _, ino, parent, name, ns = rec
+            inode = self.inodes[ino]
+            self._link(self.inodes[parent], name, inode, ns)
+            inode.nlink += 1
+            inode.ctime = ns
+        elif op == "rm":
+            _, parent, name, ns = rec
+            self._unlink(self.inodes[parent], name, ns)
+        elif op == "mv":
+            _, old_parent, old_name, new_parent, new_name, ns = rec
+            src_dir, dst_dir = self.inodes[old_parent], self.inodes[new_parent]
+            inode = self.inodes[src_dir.entries.get(old_name)]
+            if dst_dir.entries.get(new_name) is not None:
+                self._unlink(dst_dir, new_name, ns)
+            self._unlink(src_dir, old_name, ns, keep=True)
+            self._link(dst_dir, new_name, inode, ns)
+            inode.ctime = ns
+        elif op == "at":
+            _, ino, mode, uid, gid, atime, mtime, ctime = rec
+            inode = self.inodes[ino]
+            inode.mode, inode.uid, inode.gid = mode, uid, gid
+            inode.atime, inode.mtime, inode.ctime = atime, mtime, ctime
+        elif op == "ct":
+            _, ino, size, mtime, ctime, blocks = rec
+            inode = self.inodes[ino]
+            for block in blocks:
+                if block is not None:
+                    self.index.add_ref(*block)
+            for key in inode.committed:
+                if key is not None:
+                    self.index.drop_ref(key)
+            self._set_committed(inode, size, [b[0] if b is not None else None for b in blocks])
+            inode.mtime, inode.ctime = mtime, ctime
+        else:
+            raise KvfsError(f"unknown journal record {op!r}", errno.EUCLEAN)
+
+    def _link(self, directory, name, inode, ns):
+        directory.entries.add(name, inode.ino)
+        directory.mtime = directory.ctime = ns
+        if inode.is_dir:
+            inode.parent = directory.ino
+            directory.nlink += 1
+
+    def _unlink(self, directory, name, ns, keep=False):
+        inode = self.inodes[directory.entries.get(name)]
+        directory.entries.remove(name)
+        directory.mtime = directory.ctime = ns
+        inode.ctime = ns
+        if inode.is_dir:
+            directory.nlink -= 1
+            if not keep:
+                inode.nlink = 0
+        elif not keep:
+            inode.nlink -= 1
+        if inode.nlink == 0:
+            self._drop_inode(inode)
+
+    def _drop_inode(self, inode):
+        """The inode left the durable namespace; free it now or when the kernel lets go."""
+        del self.inodes[inode.ino]
+        if inode.is_file:
+            for key in inode.committed:
+                if key is not None:
+                    self.index.drop_ref(key)
+            self._forget_content_key(inode)
+            inode.committed = []
+        if inode.lookups or inode.opens:
+            self.orphans[inode.ino] = inode
+        else:
+            self._destroy(inode)
+
+    def _destroy(self, inode):
+        self.orphans.pop(inode.ino, None)
+        if inode.data is not None and not self.journal.replaying:
+            self.cache.release(inode.data)
+
+    def _set_committed(self, inode, size, keys):
+        self._forget_content_key(inode)
+        inode.committed = keys
+        inode.size_committed = size
+        inode.content_key = self._content_key(size, keys)
+        self.by_content.setdefault(inode.content_key, set()).add(inode.ino)
+
+    def _forget_content_key(self, inode):
+        owners = self.by_content.get(inode.content_key)
+        if owners is not None:
+            owners.discard(inode.ino)
+            if not owners:
+                del self.by_content[inode.content_key]
+
+    def _content_key(self, size, keys):
+        hole = b"\0" * 16
+        return self.index.key_of(size.to_bytes(8, "little") + b"".join(k or hole for k in keys))
+
+    # -- lookups --------------------------------------------------------------
+    def inode(self, ino):
+        real = ino & ~VIEW_BIT
+        inode = self.inodes.get(real) or self.orphans.get(real)
+        if inode is None:
+            raise FsError(errno.ENOENT)
+        return inode
+
+    def _dir(self, ino):
+        inode = self.inode(ino)
+        if not inode.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    @staticmethod
+    def _check_name(name):
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+        if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL, "invalid name")
+
+    def lookup(self, parent, name):
+        """Resolve a name; counts one kernel lookup on success. Returns an inode number."""
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if parent == ROOT_INO and name == META_NAME:
+            return META_DIR_INO
+        if parent == META_DIR_INO:
+            if name == b"by-hash":
+                return BY_HASH_INO
+            raise FsError(errno.ENOENT)
+        if parent == BY_HASH_INO:
+            return self._lookup_by_hash(name)
+        child = self._dir(parent).entries.get(name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        self.inodes[child].lookups += 1
+        return child
+
+    def _lookup_by_hash(self, name):
+        try:
+            key = bytes.fromhex(name.decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            raise FsError(errno.ENOENT) from None
+        for ino in sorted(self.by_content.get(key, ())):
+            inode = self.inodes[ino]
+            if not inode.content_dirty:
+                inode.lookups += 1
+                return ino | VIEW_BIT
+        raise FsError(errno.ENOENT)
+
+    def forget(self, ino, count):
+        if ino < FIRST_INO:
+            return
+        inode = self.inodes.get(ino & ~VIEW_BIT) or self.orphans.get(ino & ~VIEW_BIT)
+        if inode is None:
+            return
+        inode.lookups = max(0, inode.lookups - count)
+        self._maybe_destroy(inode)
+
+    def _maybe_destroy(self, inode):
+        if inode.ino in self.orphans and not inode.lookups and not inode.opens:
+            self._destroy(inode)
+
+    def is_virtual(self, ino):
+        return ino in (META_DIR_INO, BY_HASH_INO)
+
+    def attr(self, ino):
+        """Return (inode-like attribute source, reported ino, read_only)."""
+        if ino in (META_DIR_INO, BY_HASH_INO):
+            root = self.inodes[ROOT_INO]
+            fake = Inode(ino, stat.S_IFDIR | 0o555, 0, 0, now=root.ctime)
+            fake.atime, fake.mtime = root.atime, root.mtime
+            return fake, False
+        inode = self.inode(ino)
+        return inode, bool(ino & VIEW_BIT)
+
+    # -- creating and removing ---------------------------------------------
+    def _new_entry_checks(self, parent, name):
+        self._check_name(name)
+        directory = self._dir(parent)
+        if parent == ROOT_INO and name == META_NAME:
+            raise FsError(errno.EEXIST, ".kvfs is reserved")
+        if directory.ino not in self.inodes:
+            raise FsError(errno.ENOENT, "directory was removed")
+        if directory.entries.get(name) is not None:
+            raise FsError(errno.EEXIST)
+        return directory
+
+    def _check_writable_dir(self, parent):
+        if parent in (META_DIR_INO, BY_HASH_INO) or parent & VIEW_BIT:
+            raise FsError(errno.EROFS, "/.kvfs is read-only")
+
+    def make(self, parent, name, mode, uid, gid, rdev=0, target=None):
+        """mknod / mkdir / symlink / create: returns the new inode number (one lookup)."""
+        self._check_writable_dir(parent)
+        self._new_entry_checks(parent, name)
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            raise FsError(errno.EOPNOTSUPP, "kvfs stores regular files, directories and symlinks only")
+        ino = self.next_ino
+        self._emit(["mk", parent, name, ino, mode, uid, gid, rdev, self.now(), target])
+        inode = self.inodes[ino]
+        inode.lookups += 1
+        if inode.is_file:
+            self.cache.attach(inode.data)
+        return ino
+
+    def link(self, ino, parent, name):
+        self._check_writable_dir(parent)
+        inode = self.inode(ino)
+        if ino & VIEW_BIT:
+            raise FsError(errno.EROFS)
+        if inode.is_dir:
+            raise FsError(errno.EPERM, "hard links to directories are not allowed")
+        if inode.ino not in self.inodes:
+            raise FsError(errno.ENOENT, "file was removed")
+        self._new_entry_checks(parent, name)
+        self._emit(["ln", inode.ino, parent, name, self.now()])
+        inode.lookups += 1
+        return inode.ino
+
+    def unlink(self, parent, name, *, directory):
+        self._check_writable_dir(parent)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if parent == ROOT_INO and name == META_NAME:
+            raise FsError(errno.EPERM, ".kvfs cannot be removed")
+        child = self._dir(parent).entries.get(name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        inode = self.inodes[child]
+        if directory and not inode.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if not directory and inode.is_dir:
+            raise FsError(errno.EISDIR)
+        if directory and len(inode.entries):
+            raise FsError(errno.ENOTEMPTY)
+        self._emit(["rm", parent, name, self.now()])
+
+    def rename(self, old_parent, old_name, new_parent, new_name, *, noreplace=False):
+        for parent in (old_parent, new_parent):
+            self._check_writable_dir(parent)
+        self._check_name(new_name)
+        if META_NAME in (old_name, new_name) and ROOT_INO in (old_parent, new_parent):
+            raise FsError(errno.EPERM, ".kvfs is reserved")
+        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
+        child = src_dir.entries.get(old_name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        inode = self.inodes[child]
+        target = dst_dir.entries.get(new_name)
+        if target is not None:
+            if noreplace:
+                raise FsError(errno.EEXIST)
+            if target == child:
+                return                              # POSIX: renaming a link onto itself does nothing
+            victim = self.inodes[target]
+            if inode.is_dir and not victim.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not inode.is_dir and victim.is_dir:
+                raise FsError(errno.EISDIR)
+            if victim.is_dir and len(victim.entries):
+                raise FsError(errno.ENOTEMPTY)
+        if inode.is_dir:
+            up = dst_dir.ino
+            while up != ROOT_INO:                   # no moving a directory into itself
+                if up == inode.ino:
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+                up = self.inodes[up].parent
+        self._emit(["mv", old_parent, old_name, new_parent, new_name, self.now()])
+
+    # -- attributes ---------------------------------------------------------
+    async def setattr(self, ino, *, size=None, mode=None, uid=None, gid=None, atime=None,
+                      mtime=None, ctime_now=True):
+        inode = self.inode(ino)
+        if ino & VIEW_BIT:
+            raise FsError(errno.EROFS)
+        now = self.now()
+        if size is not None:
+            if not inode.is_file:
+                raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+            await self.cache.truncate(inode.data, size)
+            self._content_changed(inode, now)
+            if not inode.writers:
+                self._schedule_seal(inode)
+        changed = any(v is not None for v in (mode, uid, gid, atime, mtime))
+        if changed and inode.ino in self.inodes:
+            new_mode = inode.mode if mode is None else (inode.mode & ~0o7777) | (mode & 0o7777)
+            self._emit(["at", inode.ino, new_mode,
+                        inode.uid if uid is None else uid, inode.gid if gid is None else gid,
+                        inode.atime if atime is None else atime,
+                        inode.mtime if mtime is None else mtime, now])
+
+    # -- file data ------------------------------------------------------------
+    def open(self, ino, flags):
+        """Open a file; returns (fh, direct_io, keep_cache)."""
+        inode = self.inode(ino)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if inode.is_dir:
+            raise FsError(errno.EISDIR)
+        if not inode.is_file:
+            raise FsError(errno.EINVAL)
+        view = bool(ino & VIEW_BIT)
+        if view and (writable or flags & os.O_TRUNC):
+            raise FsError(errno.EROFS, "/.kvfs/by-hash is read-only")
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(inode, writable, view)
+        inode.opens += 1
+        if writable:
+            inode.writers += 1
+        if flags & os.O_TRUNC and writable:
+            self._truncate_now(inode)
+        if writable or inode.writers or inode.data.dirty_count:
+            # Content is changing: bypass the page cache so no reader sees stale pages.
+            return fh, True, False
+        keep = inode.cached_version == inode.content_version
+        inode.cached_version = inode.content_version
+        self.cache.prefetch(inode.data)
+        return fh, False, keep
+
+    def _truncate_now(self, inode):
+        if inode.data.size or inode.data.blocks:
+            # Truncating to zero needs no old bytes, so this never awaits.
+            self.cache.release(inode.data)
+            self._content_changed(inode, self.now())
+
+    def _content_changed(self, inode, now):
+        inode.content_dirty = True
+        inode.content_version += 1
+        inode.mtime = inode.ctime = now
+
+    def handle(self, fh):
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    async def read(self, fh, off, size):
+        h = self.handle(fh)
+        return await self.cache.read(h.inode.data, off, size)
+
+    async def write(self, fh, off, data):
+        h = self.handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        inode = h.inode
+        await self.cache.write(inode.data, off, data)
+        self._content_changed(inode, self.now())
+        return len(data)
+
+    async def release(self, fh):
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        inode = h.inode
+        inode.opens -= 1
+        if h.writable:
+            inode.writers -= 1
+            if inode.writers == 0:
+                self._schedule_seal(inode)
+        self._maybe_destroy(inode)
+
+    async def fsync(self, fh):
+        h = self.handle(fh)
+        await self.seal(h.inode, force=True)
+        await self.journal.commit()
+
+    def _schedule_seal(self, inode):
+        if inode.content_dirty and self._nursery is not None:
+            self._nursery.start_soon(self._seal_quietly, inode)
+
+    async def _seal_quietly(self, inode):
+        if inode.sealing:
+            return
+        inode.sealing = True
+        try:
+            await self.seal(inode)
+        except KvfsError as exc:
+            log.error("inode %d: writing back its content failed: %s", inode.ino, exc)
+        finally:
+            inode.sealing = False
+
+    async def seal(self, inode, force=False):
+        """Flush a file's blocks and record its content (once no writer has it open).
+
+        With ``force`` (fsync, flush) the content is recorded even while writers
+        keep the file open.
+        """
+        while inode.content_dirty and inode.ino in self.inodes:
+            if inode.writers and not force:
+                return
+            await self.cache.flush_file(inode.data)
+            if inode.data.dirty_count == 0 and inode.ino in self.inodes and inode.content_dirty:
+                self._record_content(inode)
+
+    def _record_content(self, inode):
+        fd = inode.data
+        blocks = [None if k is None else [k, *self.index.extent(k)] for k in fd.keys()]
+        self._emit(["ct", inode.ino, fd.size, inode.mtime, inode.ctime, blocks])
+        inode.content_dirty = False
+
+    # -- directories --------------------------------------------------------
+    def list_dir(self, ino, after):
+        """Yield (name, ino, cookie) after ``after``; the caller counts lookups."""
+        if ino == META_DIR_INO:
+            if after < 1:
+                yield b"by-hash", BY_HASH_INO, 1
+            return
+        if ino == BY_HASH_INO:
+            keys = sorted(k for k, owners in self.by_content.items() if owners)
+            for i, key in enumerate(keys[after:], start=after + 1):
+                yield key.hex().encode(), min(self.by_content[key]) | VIEW_BIT, i
+            return
+        directory = self._dir(ino)
+        if ino == ROOT_INO and after < 1:
+            yield META_NAME, META_DIR_INO, 1
+        yield from directory.entries.items_after(max(after, 1))
+
+    def count_lookup(self, ino):
+        if ino >= FIRST_INO:
+            self.inode(ino).lookups += 1
+
+    # -- whole-filesystem operations -----------------------------------------
+    async def flush_all(self):
+        """Make everything durable: blocks, contents (open files too) and the journal."""
+        await self.cache.flush_all()
+        for inode in [i for i in self.inodes.values() if i.is_file and i.content_dirty]:
+            try:
+                await self.seal(inode, force=True)
+            except KvfsError as exc:
+                log.error("inode %d: flush failed: %s", inode.ino, exc)
+        await self.journal.commit()
+
+    async def run(self, commit_interval, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Background upkeep: seal idle files, commit the journal, checkpoint when it fills."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await trio.sleep(commit_interval)
+                for inode in [i for i in self.inodes.values()
+                              if i.is_file and i.content_dirty and not i.writers
+                              and not i.sealing and not i.data.failed]:
+                    self._schedule_seal(inode)
+                await self.journal.commit()
+                if self.journal.journal_fill > 0.5:
+                    await self.journal.checkpoint()
+
+    def statistics(self):
+        files = [i for i in self.inodes.values() if i.is_file]
+        return NamespaceStatistics(len(self.inodes), len(files),
+                                   sum(1 for i in self.inodes.values() if i.is_dir),
+                                   sum(i.data.size for i in files), len(self.handles),
+                                   len(self.orphans), self.next_ino)
