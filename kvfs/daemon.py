@@ -190,7 +190,6 @@ class Daemon:
                 self._nursery = nursery
                 await nursery.start(self.fs.cache.run)
                 await nursery.start(self.fs.ns.run, self.options.commit_interval)
-                nursery.start_soon(self.fs.store.run_discards)
                 nursery.start_soon(self._watch_signals)
                 if self.fs.replayed.get("records"):
                     await self.fs.store.checkpoint()       # fold the replayed journal away

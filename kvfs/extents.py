@@ -139,7 +139,6 @@ class ExtentStore:
         self._snapshot_source = None
         self._commit_lock = trio.Lock()
         self._commits = self._checkpoints = 0
-        self._discard_queue = []        # durable frees awaiting TRIM
         self.checkpoint_state = {}
         self.replay_records = []
         self.replay_report = {}
@@ -156,12 +155,13 @@ class ExtentStore:
 
     def _read_slot(self, slot):
         off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
-        header = fmt.decode_checkpoint_header(self.device.pread_sync(off, fmt.SECTOR), self.sb.checkpoint_len)
+        header = fmt.decode_checkpoint_header(self.device.pread_sync(off, fmt.SECTOR), self.sb.checkpoint_len,
+                                               self.sb.hash_seed)
         if header is None:
             return None
         generation, length, digest = header
         payload = self.device.pread_sync(off + fmt.SECTOR, length)
-        if xxhash.xxh64_intdigest(payload) != digest:
+        if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
             log.warning("checkpoint slot %s (generation %s) is torn; ignoring it", "AB"[slot], generation)
             return None
         return generation, payload
@@ -190,7 +190,7 @@ class ExtentStore:
             if not (window_off <= cursor and cursor + fmt.SECTOR <= window_off + len(window)):
                 window_off = cursor
                 window = self.device.pread_sync(base + cursor, min(JOURNAL_READ_WINDOW, limit - cursor))
-            header = fmt.decode_journal_header(window[cursor - window_off:])
+            header = fmt.decode_journal_header(window[cursor - window_off:], self.sb.hash_seed)
             if header is None:
                 stop = "no further frame"
                 break
@@ -207,7 +207,7 @@ class ExtentStore:
                 window = self.device.pread_sync(base + cursor, min(max(JOURNAL_READ_WINDOW, size), limit - cursor))
             start = cursor - window_off + fmt.JOURNAL_FRAME.size
             payload = window[start:start + length]
-            if xxhash.xxh64_intdigest(payload) != digest:
+            if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
                 stop = "torn frame (payload checksum mismatch): uncommitted tail dropped"
                 break
             try:
@@ -275,7 +275,7 @@ class ExtentStore:
                 await self._checkpoint_locked()
                 return
             self._pending = []
-            frame = fmt.encode_journal_frame(self.generation, self._frame_seq, payload)
+            frame = fmt.encode_journal_frame(self.generation, self._frame_seq, payload, self.sb.hash_seed)
             try:
                 await self.device.sync()             # block data before the records naming it
                 await self.device.pwrite(self.sb.journal_off + self._journal_cursor, frame)
@@ -286,7 +286,7 @@ class ExtentStore:
             self._journal_cursor += len(frame)
             self._frame_seq += 1
             self._commits += 1
-            self._made_durable(upto)
+            await self._made_durable(upto)
 
     async def checkpoint(self):
         """Write the whole state to the inactive slot and start a new journal generation."""
@@ -298,49 +298,68 @@ class ExtentStore:
         # appended up to now; later records go into the new generation's journal.
         state = self._snapshot_source()
         upto = self._appended
-        self._pending = []
         payload = msgpack.packb(state)
         if fmt.SECTOR + len(payload) > self.sb.checkpoint_len:
             raise KvfsError(f"metadata ({len(payload)} bytes) exceeds the checkpoint slot "
                             f"({self.sb.checkpoint_len} bytes)", errno.ENOSPC)
+        # Records in the snapshot leave the queue only once the checkpoint is
+        # durable; if the write fails they still go to the current journal.
+        records, self._pending = self._pending, []
         slot = 1 - self._active_slot
         off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
         generation = self.generation + 1
-        await self.device.sync()
-        await self.device.pwrite(off, fmt.encode_checkpoint_header(generation, payload) + payload)
-        await self.device.sync()
+        try:
+            await self.device.sync()
+            await self.device.pwrite(off, fmt.encode_checkpoint_header(generation, payload, self.sb.hash_seed)
+                                     + payload)
+            await self.device.sync()
+        except BaseException:
+            self._pending = records + self._pending
+            raise
         self.generation, self._active_slot = generation, slot
         self._journal_cursor = self._frame_seq = 0
         self._checkpoints += 1
-        self._made_durable(upto)
+        await self._made_durable(upto)
 
-    def _made_durable(self, upto):
+    async def _made_durable(self, upto):
+        """Records up to ``upto`` are durable: discard and then reuse what they freed.
+
+        The discard (TRIM / hole punch) must finish before the extent returns to
+        the allocator, or it could punch a hole into the next block written there.
+        """
         self._durable = max(self._durable, upto)
-        keep = []
-        for appended_at, off, nbytes in self._pending_frees:
-            if appended_at <= upto:
+        ready = [(off, n) for at, off, n in self._pending_frees if at <= upto]
+        if not ready:
+            return
+        self._pending_frees = [f for f in self._pending_frees if f[0] > upto]
+        try:
+            await self.device.run(self._discard_all, ready)
+        finally:
+            for off, nbytes in ready:
                 self.allocator.free(off, nbytes)
-                self._discard_queue.append((off, nbytes))
-            else:
-                keep.append((appended_at, off, nbytes))
-        self._pending_frees = keep
 
-    async def run_discards(self):
-        """Background task: TRIM freed extents (best effort, after they are durable)."""
-        while True:
-            await trio.sleep(0.5)
-            queue, self._discard_queue = self._discard_queue, []
-            for off, nbytes in queue:
-                try:
-                    await self.device.discard(off, nbytes)
-                except KvfsError as exc:
-                    log.warning("discard failed: %s", exc)
+    def _discard_all(self, extents):
+        for off, nbytes in _coalesce(extents):
+            try:
+                self.device.discard_sync(off, nbytes)
+            except KvfsError as exc:
+                log.warning("discard failed: %s", exc)
 
     def statistics(self):
         return StoreStatistics(self.generation, self._journal_cursor, self.sb.journal_len,
                                self._frame_seq, self._commits, self._checkpoints,
                                len(self._pending), self.sb.data_len, self.allocator.free_bytes,
                                self.pending_free_bytes)
+
+
+def _coalesce(extents):
+    merged = []
+    for off, n in sorted(extents):
+        if merged and merged[-1][0] + merged[-1][1] == off:
+            merged[-1][1] += n
+        else:
+            merged.append([off, n])
+    return merged
 
 
 def read_superblock(device):
@@ -370,7 +389,7 @@ def format_device(device, block_size, now_ns):
     zero = b"\0" * fmt.SECTOR
     for off in (sb.checkpoint_b_off, sb.journal_off):
         device.pwrite_sync(off, zero)
-    device.pwrite_sync(sb.checkpoint_a_off, fmt.encode_checkpoint_header(1, empty) + empty)
+    device.pwrite_sync(sb.checkpoint_a_off, fmt.encode_checkpoint_header(1, empty, sb.hash_seed) + empty)
     device.sync_sync()
     # Superblocks last: until they are written the device is not a kvfs.
     device.pwrite_sync(0, sb.encode() + sb.encode())

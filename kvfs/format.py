@@ -70,8 +70,8 @@ CHECKPOINT_HEADER = struct.Struct(
     "8s"   # magic             MAGIC_CHECKPOINT
     "Q"    # generation        increases by one per checkpoint; the newest valid slot wins
     "Q"    # payload_len       bytes of msgpack state that follow the 4 KiB header sector
-    "Q"    # payload_hash      xxh64 of the payload
-    "Q"    # header_hash       xxh64 of the 32 bytes above
+    "Q"    # payload_hash      xxh64 of the payload, seeded with hash_seed
+    "Q"    # header_hash       xxh64 of the 32 bytes above, seeded with hash_seed
 )
 assert CHECKPOINT_HEADER.size == 40
 
@@ -82,8 +82,8 @@ JOURNAL_FRAME = struct.Struct(
     "Q"    # seq               0, 1, 2, ... within a generation; a gap ends replay
     "I"    # payload_len       bytes of msgpack (a list of records) after the header
     "I"    # reserved0         zero
-    "Q"    # payload_hash      xxh64 of the payload
-    "Q"    # header_hash       xxh64 of the 40 bytes above
+    "Q"    # payload_hash      xxh64 of the payload, seeded with hash_seed
+    "Q"    # header_hash       xxh64 of the 40 bytes above, seeded with hash_seed
 )
 assert JOURNAL_FRAME.size == 48
 
@@ -173,37 +173,41 @@ class Superblock:
             raise FormatError("superblock block size is invalid: the superblock is corrupt")
 
 
-def encode_checkpoint_header(generation, payload):
+# Checkpoint and journal hashes are seeded with the filesystem's hash_seed: a
+# frame or checkpoint left on the device by an earlier filesystem (before a
+# mkfs --force) can never pass for one of ours.
+
+def encode_checkpoint_header(generation, payload, seed):
     head = CHECKPOINT_HEADER.pack(MAGIC_CHECKPOINT, generation, len(payload),
-                                  xxhash.xxh64_intdigest(payload), 0)[:32]
-    return (head + struct.pack("<Q", xxhash.xxh64_intdigest(head))).ljust(SECTOR, b"\0")
+                                  xxhash.xxh64_intdigest(payload, seed), 0)[:32]
+    return (head + struct.pack("<Q", xxhash.xxh64_intdigest(head, seed))).ljust(SECTOR, b"\0")
 
 
-def decode_checkpoint_header(sector, slot_len):
+def decode_checkpoint_header(sector, slot_len, seed):
     """Return (generation, payload_len, payload_hash) or None if the slot holds no valid header."""
     magic, generation, payload_len, payload_hash, header_hash = CHECKPOINT_HEADER.unpack_from(sector)
-    if magic != MAGIC_CHECKPOINT or xxhash.xxh64_intdigest(sector[:32]) != header_hash:
+    if magic != MAGIC_CHECKPOINT or xxhash.xxh64_intdigest(sector[:32], seed) != header_hash:
         return None
     if payload_len > slot_len - SECTOR:
         return None
     return generation, payload_len, payload_hash
 
 
-def encode_journal_frame(generation, seq, payload):
+def encode_journal_frame(generation, seq, payload, seed):
     """One frame: header + payload, padded to whole sectors for O_DIRECT."""
     head = JOURNAL_FRAME.pack(MAGIC_JOURNAL, generation, seq, len(payload), 0,
-                              xxhash.xxh64_intdigest(payload), 0)[:40]
-    head += struct.pack("<Q", xxhash.xxh64_intdigest(head))
+                              xxhash.xxh64_intdigest(payload, seed), 0)[:40]
+    head += struct.pack("<Q", xxhash.xxh64_intdigest(head, seed))
     frame = head + payload
     return frame.ljust(align_up(len(frame)), b"\0")
 
 
-def decode_journal_header(buf):
+def decode_journal_header(buf, seed):
     """Return (generation, seq, payload_len, payload_hash) or None for a torn/absent header."""
     if len(buf) < JOURNAL_FRAME.size:
         return None
     magic, generation, seq, payload_len, _, payload_hash, header_hash = JOURNAL_FRAME.unpack_from(buf)
-    if magic != MAGIC_JOURNAL or xxhash.xxh64_intdigest(bytes(buf[:40])) != header_hash:
+    if magic != MAGIC_JOURNAL or xxhash.xxh64_intdigest(bytes(buf[:40]), seed) != header_hash:
         return None
     return generation, seq, payload_len, payload_hash
 

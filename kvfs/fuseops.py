@@ -138,7 +138,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & ~pyfuse3.RENAME_NOREPLACE:
             raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
-        self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+        await self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                        noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
 
     # -- files ----------------------------------------------------------------

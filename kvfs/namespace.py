@@ -224,8 +224,15 @@ class Namespace:
 
     # -- record application (shared by live operations and replay) ----------
     def _emit(self, record):
-        self.apply(record)
+        # Append first: extents freed while applying are then tagged with this
+        # record, so they are not reused before it is durable. Records are
+        # validated before they are built; a failure to apply one is a bug.
         self.journal.append(record)
+        try:
+            self.apply(record)
+        except Exception:
+            log.critical("record %r was journaled but does not apply", record[:2])
+            raise
 
     def apply(self, rec):
         op = rec[0]
@@ -472,7 +479,24 @@ class Namespace:
             raise FsError(errno.ENOTEMPTY)
         self._emit(["rm", parent, name, self.now()])
 
-    def rename(self, old_parent, old_name, new_parent, new_name, *, noreplace=False):
+    async def rename(self, old_parent, old_name, new_parent, new_name, *, noreplace=False):
+        """Rename; a closed file's pending content is recorded first.
+
+        Engines publish a chunk by writing a temp file and renaming it over the
+        final name. If the rename became durable before the temp file's content
+        record, a crash would leave the final name empty (ext4's auto_da_alloc
+        exists for the same reason).
+        """
+        self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
+        inode = self.inodes[self._dir(old_parent).entries.get(old_name)]
+        if inode.is_file and inode.content_dirty and not inode.writers:
+            await self.seal(inode)
+            self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
+        if self._dir(new_parent).entries.get(new_name) == self._dir(old_parent).entries.get(old_name):
+            return                                  # POSIX: renaming a link onto itself does nothing
+        self._emit(["mv", old_parent, old_name, new_parent, new_name, self.now()])
+
+    def _check_rename(self, old_parent, old_name, new_parent, new_name, noreplace):
         for parent in (old_parent, new_parent):
             self._check_writable_dir(parent)
         self._check_name(new_name)
@@ -488,7 +512,7 @@ class Namespace:
             if noreplace:
                 raise FsError(errno.EEXIST)
             if target == child:
-                return                              # POSIX: renaming a link onto itself does nothing
+                return
             victim = self.inodes[target]
             if inode.is_dir and not victim.is_dir:
                 raise FsError(errno.ENOTDIR)
@@ -502,7 +526,6 @@ class Namespace:
                 if up == inode.ino:
                     raise FsError(errno.EINVAL, "cannot move a directory into itself")
                 up = self.inodes[up].parent
-        self._emit(["mv", old_parent, old_name, new_parent, new_name, self.now()])
 
     # -- attributes ---------------------------------------------------------
     async def setattr(self, ino, *, size=None, mode=None, uid=None, gid=None, atime=None,
