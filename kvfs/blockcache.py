@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import mmap
 
 import trio
 
@@ -33,8 +34,8 @@ class Dirty:
 
     __slots__ = ("buf", "version", "queued", "attempts")
 
-    def __init__(self, block_size):
-        self.buf = bytearray(block_size)   # bytes past the file's end stay zero
+    def __init__(self, buf):
+        self.buf = buf                     # zero-filled; bytes past the file's end stay zero
         self.version = 0                   # bumped by every write; a flush of an old version is void
         self.queued = False
         self.attempts = 0
@@ -80,6 +81,8 @@ class CacheStatistics:
     writers_throttled: int
     bytes_read: int
     bytes_written: int
+    read_requests: int
+    write_requests: int
 
 
 class BlockCache:
@@ -100,6 +103,9 @@ class BlockCache:
         self._ready = collections.deque()           # (FileData, Dirty) waiting for a worker
         self._ready_event = trio.Event()
         self._nursery = None
+        self._spare = []                            # recycled block buffers
+        self._spare_max = min(self.dirty_limit // self.bs, 256)
+        self._zero_block = bytes(self.bs)
         self._s = collections.Counter()
 
     # -- lifecycle ----------------------------------------------------------
@@ -192,6 +198,7 @@ class BlockCache:
                     # A stored block shorter than the range (the file grew by truncate) reads zeros beyond it.
                     parts.append(data[a:b].ljust(b - a, b"\0"))
         self._s["bytes_read"] += end - off
+        self._s["read_requests"] += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def prefetch(self, fd, from_index=0):
@@ -242,7 +249,7 @@ class BlockCache:
                 pos += n                         # zeros into a hole (posix_fallocate's fallback): store nothing
                 continue
             whole = inner == 0 and (n == bs or off + pos + n >= fd.size)
-            d = await self._dirty_block(fd, idx, need_base=not whole)
+            d = await self._dirty_block(fd, idx, need_base=not whole, covers_block=n == bs)
             d.buf[inner:inner + n] = view[pos:pos + n]
             d.version += 1
             pos += n
@@ -253,12 +260,13 @@ class BlockCache:
         if off + len(view) > fd.size:
             fd.size = off + len(view)            # zeros written past the end into a hole
         self._s["bytes_written"] += len(view)
+        self._s["write_requests"] += 1
 
     @staticmethod
     def _is_hole(fd, idx):
         return idx >= len(fd.blocks) or fd.blocks[idx] is None
 
-    async def _dirty_block(self, fd, idx, need_base):
+    async def _dirty_block(self, fd, idx, need_base, covers_block=False):
         """The Dirty buffer for block ``idx``, created (with its old bytes) if needed."""
         while True:
             current = fd.blocks[idx] if idx < len(fd.blocks) else None
@@ -279,7 +287,7 @@ class BlockCache:
                 if (fd.blocks[idx] if idx < len(fd.blocks) else None) is not current:
                     self._unadmit()
                     continue
-            d = Dirty(self.bs)
+            d = Dirty(self._new_buffer(zeroed=not covers_block))
             if base is not None:
                 d.buf[:len(base)] = base
             if idx >= len(fd.blocks):
@@ -339,8 +347,25 @@ class BlockCache:
             self._ready.append((fd, d))
             self._ready_event.set()
 
+    def _new_buffer(self, zeroed):
+        """A block buffer; recycled ones are already faulted in.
+
+        A write that covers the whole block overwrites every byte, so only
+        partial writes need the recycled buffer zeroed.
+        """
+        if self._spare:
+            buf = self._spare.pop()
+            if zeroed:
+                buf[:] = self._zero_block
+            return buf
+        # Page aligned, so the device can write it with O_DIRECT without a copy.
+        return mmap.mmap(-1, self.bs)
+
     def _retire(self, fd, d):
         """``d`` has left ``fd.blocks``: give back its memory and reservation."""
+        if len(self._spare) < self._spare_max:
+            self._spare.append(d.buf)
+        d.buf = None
         del self._dirty[id(d)]
         fd.dirty_count -= 1
         if fd.dirty_count == 0:
@@ -356,9 +381,13 @@ class BlockCache:
             return                                   # truncated away or already retired
         length = min(self.bs, fd.size - idx * self.bs)
         version = d.version
-        data = bytes(d.buf[:length])
+        # Hash and write straight from the buffer, without a snapshot copy. A
+        # write that lands meanwhile bumps d.version, and the result is then
+        # discarded below, so a torn buffer is never named by a key.
+        buf = d.buf
+        view = memoryview(buf)[:length]
         try:
-            key = None if _all_zero(data) else await self.index.store_block(data)
+            key = None if _all_zero(view) else await self.index.store_block(view, source=buf)
         except KvfsError as exc:
             d.attempts += 1
             d.queued = False
@@ -378,13 +407,14 @@ class BlockCache:
             if d in fd.blocks:
                 self._enqueue(fd, d)                 # someone asked for it: flush the new version
             return
+        # Freshly written blocks are not copied into the clean cache: the copy
+        # into new memory cost more than the rare read-back from the device.
+        view.release()
         fd.blocks[idx] = key
         self._retire(fd, d)
         self._s["flushed"] += 1
         if key is None:
             self._s["zero_blocks"] += 1
-        else:
-            self._remember(key, data)
 
     def _fail_file(self, fd, err):
         """A block cannot be stored: the file's new content is lost, and reads say so."""
@@ -458,9 +488,14 @@ class BlockCache:
         return CacheStatistics(self.cache_size, self.dirty_limit, self._clean_bytes, self.dirty_bytes,
                                s["dirty_max"], backlog, s["hits"], s["misses"], s["inflight"],
                                s["inflight_max"], s["flushed"], self.index.statistics().dedup_hits,
-                               s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"])
+                               s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
+                               s["read_requests"], s["write_requests"])
 
 
 def _all_zero(buf):
-    # bytes.count runs in C; no per-byte Python loop.
-    return bytes(buf).count(0) == len(buf)
+    # Sample one byte per 4 KiB first: real KV data fails this at once, without
+    # copying the buffer. Only a buffer that looks zero gets the full check.
+    view = memoryview(buf)
+    if any(view[::4093]) or (len(view) and view[-1]):
+        return False
+    return bytes(view).count(0) == len(view)

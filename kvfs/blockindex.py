@@ -143,8 +143,12 @@ class BlockIndex:
         self.reserved_bytes -= nbytes
 
     # -- data ---------------------------------------------------------------
-    async def store_block(self, data):
-        """Make ``data`` a stored block and pin it; write it only if it is new."""
+    async def store_block(self, data, source=None):
+        """Make ``data`` a stored block and pin it; write it only if it is new.
+
+        ``source``, if given, is a page-aligned buffer that starts with ``data``
+        and is zero after it: the device may write from it directly.
+        """
         key = await self.hash(data)
         while True:
             e = self.entries.get(key)
@@ -160,7 +164,7 @@ class BlockIndex:
         done = trio.Event()
         self._writing[key] = (done, off, len(data))
         try:
-            await self.device.pwrite(off, data)
+            await self.device.pwrite(off, data, source)
         except BaseException:
             # Never referenced by anything: give the extent straight back.
             self.store.allocator.free(off, len(data))
