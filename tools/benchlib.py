@@ -1,0 +1,393 @@
+"""Measurement primitives for tools/kvfs-bench.
+
+Everything here imitates what LMCache 0.5.6 does to its local-disk directory
+(design-notes.md section 2): one file per chunk, written with one ``write()``
+and read with one ``read()`` into a staging buffer, four threads at once.
+
+Throughputs are reported in GB/s with GB = 1e9 bytes.
+"""
+import contextlib
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Alignment for O_DIRECT buffers and lengths.  4 KiB satisfies every device
+# and filesystem we meet; mmap-allocated buffers are page aligned already.
+ALIGN = 4096
+
+# Llama-3-8B chunk geometry: [K/V, layers, tokens, kv_heads * head_dim], bf16.
+KV, LAYERS, TOKENS, BF16_BYTES = 2, 32, 256, 2
+MODEL_NAME = "meta-llama-Meta-Llama-3-8B"
+
+LMCACHE_THREADS = 4
+
+
+class BenchError(RuntimeError):
+    """A benchmark step failed in a way that makes its numbers meaningless."""
+
+
+class ShortIO(BenchError):
+    """A read or write returned fewer bytes than asked: LMCache would corrupt KV."""
+
+
+def log(msg):
+    print(f"[kvfs-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def gbps(nbytes, seconds):
+    """Bytes/second as GB/s; None when the interval is too short to mean anything."""
+    if seconds is None or seconds < 1e-6:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def round_up(n, align=ALIGN):
+    return (n + align - 1) // align * align
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+# --------------------------------------------------------------------------
+# Chunk contents
+
+
+def chunk_shape(chunk_bytes):
+    """The real LMCache tensor shape for a chunk of this size, if there is one."""
+    per_column = KV * LAYERS * TOKENS * BF16_BYTES
+    if chunk_bytes % per_column == 0:
+        return [KV, LAYERS, TOKENS, chunk_bytes // per_column]
+    return [chunk_bytes // BF16_BYTES]
+
+
+def chunk_name(seed, index):
+    """An LMCache-style file name.  LMCache prints a signed hash, so about half
+    of the names carry a '-' in the hash field, as real ones do."""
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little", signed=True)
+    sign = "-" if value < 0 else ""
+    return f"{MODEL_NAME}@1@0@{sign}{abs(value):x}@bfloat16.pt"
+
+
+def make_chunks(count, chunk_bytes, seed=0):
+    """Generate ``count`` chunks of random bf16 values, different per chunk.
+
+    The tensors are built directly inside page-aligned anonymous mmaps, so the
+    same buffers can also be written with O_DIRECT.  Seeding by (seed, index)
+    makes a second call return byte-identical chunks, which the rewrite (dedup)
+    measurement relies on.
+    """
+    # Imported lazily: read-only commands do not need torch.  The CPU wheel
+    # warns on import when numpy is absent; we never use numpy.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*NumPy.*")
+        import torch
+
+    if chunk_bytes % BF16_BYTES:
+        raise BenchError("chunk size must be a whole number of bf16 values")
+    shape = chunk_shape(chunk_bytes)
+    chunks = []
+    for index in range(count):
+        buf = mmap.mmap(-1, round_up(chunk_bytes))
+        tensor = torch.frombuffer(buf, dtype=torch.bfloat16, count=chunk_bytes // BF16_BYTES)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        tensor.view(shape).normal_(generator=generator)
+        del tensor  # drop the export so the mmap can be closed later
+        chunks.append((chunk_name(seed, index), memoryview(buf)[:chunk_bytes]))
+    return chunks, shape
+
+
+# --------------------------------------------------------------------------
+# Thread pools that behave like LMCache's disk I/O threads
+
+
+def run_parallel(items, threads, work, setup=None):
+    """Call ``work(state, item)`` for every item from ``threads`` threads that
+    pull from one shared queue; return the wall time until the last finishes.
+
+    ``setup()`` builds per-thread state (a staging buffer) *before* the clock
+    starts, so allocation and page faults are not measured.
+    """
+    states = [setup() if setup else None for _ in range(threads)]
+    pending = iter(items)
+    lock = threading.Lock()
+    stop = threading.Event()  # set on any failure or signal: stop pulling work
+
+    def worker(state):
+        while not stop.is_set():
+            with lock:
+                item = next(pending, None)
+            if item is None:
+                return
+            try:
+                work(state, item)
+            except BaseException:
+                stop.set()
+                raise
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        start = time.perf_counter()
+        futures = [pool.submit(worker, state) for state in states]
+        try:
+            for future in futures:
+                future.result()  # re-raises a worker's exception here
+        except BaseException:
+            stop.set()  # e.g. SIGTERM: let the pool's shutdown return soon
+            raise
+        elapsed = time.perf_counter() - start
+    return elapsed
+
+
+def write_files(directory, chunks, threads=LMCACHE_THREADS, odirect=False):
+    """Write every chunk as its own file, as LMCache's local-disk backend does.
+
+    Default: open(O_WRONLY|O_CREAT|O_TRUNC), one write() of the whole chunk,
+    close.  With ``odirect``: open(O_WRONLY|O_CREAT|O_DIRECT) without O_TRUNC,
+    LMCache's use_odirect path.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if odirect else os.O_TRUNC)
+
+    def write_one(_state, chunk):
+        name, data = chunk
+        fd = os.open(os.path.join(directory, name), flags, 0o644)
+        try:
+            written = os.write(fd, data)
+        finally:
+            os.close(fd)
+        if written != len(data):
+            raise ShortIO(f"write({name}) returned {written} of {len(data)} bytes")
+
+    return run_parallel(chunks, threads, write_one)
+
+
+def list_chunk_files(directory):
+    """(path, size) of every regular, non-hidden file in ``directory``."""
+    files = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                continue
+            files.append((entry.path, entry.stat(follow_symlinks=False).st_size))
+    files.sort()
+    return files
+
+
+def read_files(files, threads, odirect):
+    """Read each file whole with one readv() into a page-aligned staging buffer.
+
+    With O_DIRECT the request length is rounded up to the alignment; the call
+    must still return exactly the file size.  Returns the wall time.
+    """
+    largest = max(size for _, size in files)
+    flags = os.O_RDONLY | (os.O_DIRECT if odirect else 0)
+
+    def staging_buffer():
+        buf = mmap.mmap(-1, round_up(largest))
+        buf.write(bytes(len(buf)))  # fault the pages in before timing
+        return memoryview(buf)
+
+    def read_one(buf, item):
+        path, size = item
+        want = round_up(size) if odirect else size
+        fd = os.open(path, flags)
+        try:
+            got = os.readv(fd, [buf[:want]])
+        finally:
+            os.close(fd)
+        if got != size:
+            raise ShortIO(f"readv({path}) returned {got} of {size} bytes")
+
+    return run_parallel(files, threads, read_one, setup=staging_buffer)
+
+
+def odirect_supported(path):
+    """Whether the filesystem accepts O_DIRECT opens of the file at ``path``
+    (tmpfs on older kernels, for one, answers EINVAL)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+# --------------------------------------------------------------------------
+# Filesystems, caches and durability
+
+
+def mount_info(path):
+    """(mount target, fstype) of the filesystem holding ``path``."""
+    out = subprocess.run(["findmnt", "-n", "-o", "TARGET,FSTYPE", "-T", str(path)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return out[0], out[1]
+
+
+def find_kvfs_mount(directory, force=False):
+    """The kvfs mountpoint holding ``directory``, or None if it is not kvfs.
+
+    kvfs is recognised by a ``.kvfs`` entry in the directory or at the mount
+    root, by a fuse.kvfs fstype, or because the caller said so (--kvfs).
+    """
+    target, fstype = mount_info(directory)
+    if (force or "kvfs" in fstype or os.path.exists(os.path.join(directory, ".kvfs"))
+            or os.path.exists(os.path.join(target, ".kvfs"))):
+        return target
+    return None
+
+
+def kvfs_tool(module, *args, timeout=600):
+    """Run ``python -m kvfs.cli.<module>`` with this repo importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", f"kvfs.cli.{module}", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}: "
+                         f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def kvfs_stats(mountpoint):
+    return json.loads(kvfs_tool("admin", "stats", "--json", mountpoint))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def syncfs(directory):
+    """syncfs(2) on the filesystem holding ``directory``: all its dirty data durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
+
+
+def make_durable(directory, kvfs_mnt):
+    """Block until everything written to ``directory`` is on the device."""
+    if kvfs_mnt:
+        kvfs_tool("admin", "flush", kvfs_mnt)
+    else:
+        syncfs(directory)
+
+
+def drop_caches(kvfs_mnt=None):
+    """Make the next read cold: empty kvfs's RAM cache, then the kernel's."""
+    if kvfs_mnt:
+        kvfs_tool("admin", "drop-caches", kvfs_mnt)
+    os.sync()  # drop_caches only drops clean pages
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except PermissionError as exc:
+        raise BenchError("cold reads need root to write /proc/sys/vm/drop_caches") from exc
+
+
+@contextlib.contextmanager
+def tmpfs_mount(mountpoint, size_bytes):
+    os.makedirs(mountpoint, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "kvfs-bench", str(mountpoint)],
+                   check=True, capture_output=True)
+    try:
+        yield str(mountpoint)
+    finally:
+        subprocess.run(["umount", str(mountpoint)], capture_output=True)
+        if os.path.ismount(mountpoint):
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
+@contextlib.contextmanager
+def kvfs_mount(root, store_size, options=""):
+    """mkfs a sparse kvfs store under ``root``, mount it, and always unmount it."""
+    root = Path(root)
+    mnt = root / "mnt"
+    mnt.mkdir(parents=True, exist_ok=True)
+    store = root / "store.kvfs"
+    kvfs_tool("mkfs", "--size", store_size, "--force", store)
+    args = ["-o", options] if options else []
+    try:
+        # Inside the try: a mount that half succeeded must still be undone.
+        kvfs_tool("mount", *args, store, mnt, timeout=120)
+        yield str(mnt)
+    finally:
+        force_unmount_kvfs(mnt)
+        store.unlink(missing_ok=True)
+
+
+def force_unmount_kvfs(mnt):
+    """Clean unmount through kvfs-admin; if that fails, detach the mount."""
+    if not os.path.ismount(mnt):
+        return
+    try:
+        kvfs_tool("admin", "umount", mnt, timeout=300)
+    except (BenchError, subprocess.TimeoutExpired) as exc:
+        log(f"kvfs-admin umount failed ({exc}); detaching with fusermount3 -uz")
+    if os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+
+
+def empty_directory(directory):
+    for path, _ in list_chunk_files(directory):
+        os.unlink(path)
+
+
+def remove_tree(path):
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# The device limit, measured with fio
+
+
+def fio_job(filename, size_bytes, rw, iodepth=16, end_fsync=False):
+    """One fio job of 1 MiB O_DIRECT libaio I/O; returns its throughput in GB/s.
+
+    fio's runtime includes the end_fsync, so a write job's number is the rate
+    at which data becomes durable.
+    """
+    cmd = ["fio", "--name=kvfs-bench", f"--filename={filename}", f"--size={size_bytes}",
+           f"--rw={rw}", "--bs=1M", "--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}",
+           "--numjobs=1", "--output-format=json"]
+    if end_fsync:
+        cmd.append("--end_fsync=1")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"fio {rw} failed: {proc.stderr.strip()}")
+    # fio may print warnings before the JSON document.
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    job = report["jobs"][0]["write" if "write" in rw else "read"]
+    return gbps(job["io_bytes"], job["runtime"] / 1000)
+
+
+def fio_device_limits(directory, size_bytes, iodepth=16):
+    """Sequential write (durable), then sequential and random reads of the same file."""
+    filename = os.path.join(directory, "fio-backing")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(filename)  # a fresh file each time, like a fresh store
+    try:
+        return {
+            "seq_write_gbps": fio_job(filename, size_bytes, "write", iodepth, end_fsync=True),
+            "seq_read_gbps": fio_job(filename, size_bytes, "read", iodepth),
+            "rand_read_gbps": fio_job(filename, size_bytes, "randread", iodepth),
+        }
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(filename)
+
