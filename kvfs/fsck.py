@@ -122,6 +122,11 @@ def _check_tree(ns, report, repair):
                 report.problem(f"directory {ino} entry {name!r} names missing inode {child}")
                 if repair:
                     inode.entries.remove(name)
+    top = max(ns.inodes)
+    if ns.next_ino <= top:
+        report.problem(f"next inode number {ns.next_ino} is not above the largest in use ({top})")
+        if repair:
+            ns.next_ino = top + 1
     paths = _paths(ns)
     links = collections.Counter()
     subdirs = collections.Counter()
@@ -189,6 +194,8 @@ def _check_blocks(ns, index, report, repair, bad_keys):
         counted.update(k for k in keys if k in index.entries)
     if repair:
         for inode in damaged:
+            # Missing keys cannot be dereferenced when the file goes.
+            inode.committed = [k if k in index.entries else None for k in inode.committed]
             for path in ns.paths.get(inode.ino, []):
                 _remove_path(ns, path)
             report.repairs.append(f"removed damaged file {', '.join(ns.paths.get(inode.ino, [])) or inode.ino}")
