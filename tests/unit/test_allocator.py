@@ -1,0 +1,161 @@
+"""Allocator: next-fit allocation, free with coalescing, allocate_at, errors."""
+import random
+
+import pytest
+
+from kvfs.errors import FormatError, NoSpace
+from kvfs.extents import Allocator
+
+from .helpers import mkfs, assert_fsck_clean
+
+S = 4096
+START = 1 << 20
+
+
+def make(nsectors=64):
+    return Allocator(START, nsectors * S)
+
+
+def test_fresh_allocator_is_one_free_extent():
+    a = make()
+    assert a.extents() == [(START, 64 * S)]
+    assert a.free_bytes == 64 * S
+
+
+def test_allocate_rounds_up_and_is_next_fit():
+    a = make()
+    x = a.allocate(1)                  # rounds up to one sector
+    y = a.allocate(S + 1)              # two sectors
+    z = a.allocate(S)
+    assert (x, y, z) == (START, START + S, START + 3 * S)
+    assert a.free_bytes == 60 * S
+    a.free(x, S)
+    # Next-fit: the cursor is past z, so the hole at the start is not reused yet.
+    assert a.allocate(S) == START + 4 * S
+    # Once the tail is used up, allocation wraps around to the freed hole.
+    assert a.allocate(59 * S) == START + 5 * S
+    assert a.allocate(S) == START
+    assert a.free_bytes == 0
+    with pytest.raises(NoSpace, match="no free extent"):
+        a.allocate(S)
+
+
+def test_enospc_when_no_extent_is_large_enough():
+    a = make(8)
+    offs = [a.allocate(S) for _ in range(8)]
+    for off in offs[::2]:
+        a.free(off, S)                 # 4 sectors free, but never 2 adjacent
+    assert a.free_bytes == 4 * S
+    with pytest.raises(NoSpace) as info:
+        a.allocate(2 * S)
+    assert info.value.errno == 28
+    assert "16384 bytes free in total" in str(info.value)
+    assert a.allocate(S) in offs[::2]
+
+
+def test_free_coalesces_with_both_neighbours():
+    a = make(10)
+    offs = [a.allocate(S) for _ in range(10)]
+    a.free(offs[1], S)
+    a.free(offs[3], S)
+    assert a.extents() == [(offs[1], S), (offs[3], S)]
+    a.free(offs[2], S)                 # bridges the two
+    assert a.extents() == [(offs[1], 3 * S)]
+    a.free(offs[0], S)                 # joins at the front
+    assert a.extents() == [(offs[0], 4 * S)]
+    a.free(offs[9], S)
+    a.free(offs[8], S)                 # joins the following extent
+    assert a.extents() == [(offs[0], 4 * S), (offs[8], 2 * S)]
+    for off in offs[4:8]:
+        a.free(off, S)
+    assert a.extents() == [(START, 10 * S)]
+    assert a.free_bytes == 10 * S
+
+
+def test_double_free_and_out_of_range_free_are_refused():
+    a = make(10)
+    off = a.allocate(4 * S)
+    a.free(off + S, S)
+    with pytest.raises(FormatError, match="double free"):
+        a.free(off + S, S)             # exactly the same extent
+    with pytest.raises(FormatError, match="double free"):
+        a.free(off, 2 * S)             # overlaps a free extent from the left
+    with pytest.raises(FormatError, match="double free"):
+        a.free(off + 3 * S, 2 * S)     # overlaps the free tail of the region
+    with pytest.raises(FormatError, match="outside the data region"):
+        a.free(START - S, S)
+    with pytest.raises(FormatError, match="outside the data region"):
+        a.free(START + 10 * S, S)
+    with pytest.raises(FormatError, match="outside the data region"):
+        a.free(off + 1, S)             # unaligned
+    # Refused frees changed nothing.
+    assert a.free_bytes == 7 * S
+    assert a.extents() == [(off + S, S), (off + 4 * S, 6 * S)]
+
+
+def test_allocate_at_splits_and_refuses_used_space():
+    a = make(16)
+    a.allocate_at(START + 4 * S, 2 * S)
+    assert a.extents() == [(START, 4 * S), (START + 6 * S, 10 * S)]
+    a.allocate_at(START, S)
+    a.allocate_at(START + 15 * S, S)
+    assert a.extents() == [(START + S, 3 * S), (START + 6 * S, 9 * S)]
+    assert a.free_bytes == 12 * S
+    with pytest.raises(FormatError, match="referenced twice"):
+        a.allocate_at(START + 4 * S, S)          # already allocated
+    with pytest.raises(FormatError, match="referenced twice"):
+        a.allocate_at(START + 3 * S, 2 * S)      # straddles free and used
+    with pytest.raises(FormatError, match="outside free space"):
+        a.allocate_at(START - S, S)
+    assert a.free_bytes == 12 * S
+
+
+def test_constructed_from_a_free_list():
+    a = Allocator(START, 16 * S, [(START + 2 * S, 2 * S), (START + 4 * S, S), (START + 10 * S, 6 * S)])
+    assert a.extents() == [(START + 2 * S, 3 * S), (START + 10 * S, 6 * S)]   # adjacent ones merged
+    assert a.free_bytes == 9 * S
+    assert Allocator(START, 16 * S, []).free_bytes == 0
+
+
+def test_random_allocate_free_keeps_an_exact_partition():
+    rng = random.Random(1234)
+    n = 256
+    a = make(n)
+    used = {}
+    for _ in range(3000):
+        if used and (rng.random() < 0.45 or a.free_bytes == 0):
+            off = rng.choice(list(used))
+            a.free(off, used.pop(off))
+        else:
+            want = rng.randint(1, 6) * S
+            try:
+                off = a.allocate(want)
+            except NoSpace:
+                assert all(length < want for _, length in a.extents())
+                continue
+            used[off] = want
+        # Used and free extents tile the region exactly; free extents are maximal.
+        spans = sorted(list(used.items()) + a.extents())
+        cursor = START
+        for off, length in spans:
+            assert off == cursor
+            cursor += length
+        assert cursor == START + n * S
+        free = a.extents()
+        assert all(x + lx < y for (x, lx), (y, _) in zip(free, free[1:]))
+        assert a.free_bytes == sum(length for _, length in free)
+
+
+def test_store_allocator_matches_the_data_region(tmp_path):
+    """The allocator the store builds from mkfs's checkpoint covers the data region."""
+    from kvfs.device import Device
+    from kvfs.extents import ExtentStore
+    path = mkfs(tmp_path)
+    device = Device.open(str(path))
+    try:
+        store = ExtentStore.open(device)
+        assert store.allocator.extents() == [(store.sb.data_off, store.sb.data_len)]
+        assert store.allocate(1) == store.sb.data_off
+    finally:
+        device.close()
+    assert_fsck_clean(path)          # nothing durable changed

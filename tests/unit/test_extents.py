@@ -1,0 +1,373 @@
+"""ExtentStore: journal commit/replay, torn tails, checkpoints and slot rotation, delayed frees."""
+import os
+import stat
+
+import pytest
+import trio
+import trio.testing
+
+from kvfs import format as fmt
+from kvfs.device import Device
+from kvfs.errors import FormatError, NoSpace
+from kvfs.extents import ExtentStore
+from kvfs.namespace import ROOT_INO
+
+from .helpers import (BS, DIR_MODE, Clock, close_and_check, assert_fsck_clean, flip_byte, lookup_path,
+                      mkfs, open_fs, pattern, running, write_file)
+
+S = fmt.SECTOR
+
+
+def reopen_store(path):
+    """Open the store read-only the way mount does; returns (store, device)."""
+    device = Device.open(str(path), readonly=True)
+    return ExtentStore.open(device), device
+
+
+def names(fs):
+    return sorted(fs.ns.inodes[ROOT_INO].entries.by_name)
+
+
+async def test_commit_then_reopen_replays_exactly_the_committed_records(tmp_path):
+    path = mkfs(tmp_path)
+    clock = Clock()
+    fs = open_fs(path, now=clock)
+    t0 = clock.t
+    for i in range(3):
+        fs.ns.make(ROOT_INO, b"d%d" % i, DIR_MODE, 1000, 1000)
+    st = fs.store.statistics()
+    assert st.records_pending == 3 and st.commits == 0 and st.journal_bytes == 0
+    await fs.store.commit()
+    st = fs.store.statistics()
+    assert (st.records_pending, st.commits, st.journal_frames, st.journal_bytes) == (0, 1, 1, S)
+    await fs.store.commit()                     # nothing new: no frame is written
+    assert fs.store.statistics().commits == 1
+    fs.ns.make(ROOT_INO, b"lost", DIR_MODE, 0, 0)   # appended, never committed: a crash loses it
+    fs.close()
+
+    store, device = reopen_store(path)
+    try:
+        expected = [["mk", ROOT_INO, b"d%d" % i, 16 + i, DIR_MODE, 1000, 1000, 0, t0 + 1000 * (i + 1), None]
+                    for i in range(3)]
+        assert store.replay_records == expected
+        assert store.replay_report["frames"] == 1 and store.replay_report["records"] == 3
+        assert store.replay_report["stopped"] == "no further frame"
+    finally:
+        device.close()
+
+    fs = open_fs(path)
+    assert names(fs) == [b"d0", b"d1", b"d2"]
+    assert fs.ns.next_ino == 19
+    assert fs.ns.inodes[ROOT_INO].nlink == 5
+    # Appending after replay continues the same journal generation.
+    fs.ns.make(ROOT_INO, b"d3", DIR_MODE, 0, 0)
+    await fs.store.commit()
+    assert fs.store.statistics().journal_frames == 2
+    fs.close()
+    fs = open_fs(path)
+    assert names(fs) == [b"d0", b"d1", b"d2", b"d3"]
+    close_and_check(fs)
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+async def test_torn_last_frame_is_dropped(tmp_path, where):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    fs.ns.make(ROOT_INO, b"first", DIR_MODE, 0, 0)
+    await fs.store.commit()
+    second_frame = fs.store.sb.journal_off + fs.store.statistics().journal_bytes
+    fs.ns.make(ROOT_INO, b"second", DIR_MODE, 0, 0)
+    await fs.store.commit()
+    assert fs.store.statistics().journal_frames == 2
+    fs.close()
+
+    # Damage the last frame as a torn write would.
+    flip_byte(path, second_frame + (fmt.JOURNAL_FRAME.size + 3 if where == "payload" else 20))
+    store, device = reopen_store(path)
+    try:
+        assert [r[2] for r in store.replay_records] == [b"first"]
+        assert store.replay_report["frames"] == 1
+        want = "torn frame" if where == "payload" else "no further frame"
+        assert want in store.replay_report["stopped"]
+    finally:
+        device.close()
+
+    fs = open_fs(path)
+    assert names(fs) == [b"first"]
+    # The next commit overwrites the torn frame with the next sequence number.
+    fs.ns.make(ROOT_INO, b"third", DIR_MODE, 0, 0)
+    await fs.store.commit()
+    fs.close()
+    fs = open_fs(path)
+    assert names(fs) == [b"first", b"third"]
+    assert fs.replayed["frames"] == 2
+    close_and_check(fs)
+
+
+async def test_frames_that_straddle_the_read_window_replay(tmp_path):
+    """Large frames (symlink targets) crossing the 4 MiB replay window are read whole."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    made = {}
+    for frame in range(8):
+        for j in range(10):
+            name = b"l%d_%d" % (frame, j)
+            made[name] = pattern(frame * 10 + j, 64 << 10)
+            fs.ns.make(ROOT_INO, name, stat.S_IFLNK | 0o777, 0, 0, target=made[name])
+        await fs.store.commit()
+    st = fs.store.statistics()
+    assert st.journal_frames == 8 and st.generation == 1
+    assert st.journal_bytes > 4 << 20              # the window boundary was crossed
+    fs.close()
+    fs = open_fs(path)
+    assert fs.replayed["frames"] == 8 and fs.replayed["records"] == 80
+    for name, target in made.items():
+        assert fs.ns.inodes[lookup_path(fs.ns, name.decode())].target == target
+    close_and_check(fs)
+
+
+async def test_full_journal_turns_the_commit_into_a_checkpoint(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    made = 0
+    while fs.store.statistics().generation == 1:
+        for _ in range(10):
+            fs.ns.make(ROOT_INO, b"l%d" % made, stat.S_IFLNK | 0o777, 0, 0, target=pattern(made, 64 << 10))
+            made += 1
+        await fs.store.commit()
+        assert made < 200, "the journal never filled"
+    st = fs.store.statistics()
+    assert st.generation == 2 and st.checkpoints == 1 and st.journal_bytes == 0
+    assert st.records_pending == 0
+    fs.close()
+    fs = open_fs(path)
+    assert fs.replayed["records"] == 0            # everything is in the checkpoint
+    assert "another generation" in fs.replayed["stopped"]
+    assert len(fs.ns.inodes[ROOT_INO].entries) == made
+    close_and_check(fs)
+
+
+def slot_headers(path, sb):
+    device = Device.open(str(path), readonly=True, lock=False)   # the store may be open
+    try:
+        return [fmt.decode_checkpoint_header(device.pread_sync(off, S), sb.checkpoint_len, sb.hash_seed)
+                for off in (sb.checkpoint_a_off, sb.checkpoint_b_off)]
+    finally:
+        device.close()
+
+
+async def test_checkpoint_rotates_slots_and_starts_a_new_generation(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    sb = fs.store.sb
+    assert fs.store.generation == 1
+    fs.ns.make(ROOT_INO, b"a", DIR_MODE, 0, 0)
+    await fs.store.commit()
+    await fs.store.checkpoint()
+    assert fs.store.generation == 2
+    st = fs.store.statistics()
+    assert (st.journal_bytes, st.journal_frames, st.records_pending, st.checkpoints) == (0, 0, 0, 1)
+    a, b = slot_headers(path, sb)
+    assert a[0] == 1 and b[0] == 2                  # the new one went to slot B, A kept
+    fs.ns.make(ROOT_INO, b"b", DIR_MODE, 0, 0)      # journaled in generation 2
+    await fs.store.commit()
+    await fs.store.checkpoint()
+    a, b = slot_headers(path, sb)
+    assert a[0] == 3 and b[0] == 2                  # back to slot A
+    fs.close()
+    store, device = reopen_store(path)
+    try:
+        assert store.generation == 3 and store._active_slot == 0
+        assert store.replay_records == []
+        rows = {row[0] for row in store.checkpoint_state["inodes"]}
+        assert {ROOT_INO, 16, 17} <= rows
+    finally:
+        device.close()
+    fs = open_fs(path)
+    assert names(fs) == [b"a", b"b"]
+    close_and_check(fs)
+
+
+async def test_torn_newer_checkpoint_falls_back_to_the_older_slot(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    sb = fs.store.sb
+    fs.ns.make(ROOT_INO, b"in-checkpoint", DIR_MODE, 0, 0)
+    await fs.store.checkpoint()                        # generation 2, slot B
+    fs.ns.make(ROOT_INO, b"in-journal", DIR_MODE, 0, 0)
+    await fs.store.commit()                            # generation 2 journal, frame 0
+    await fs.store.checkpoint()                        # generation 3, slot A ...
+    fs.close()
+    flip_byte(path, sb.checkpoint_a_off + S + 10)      # ... whose payload is torn
+
+    store, device = reopen_store(path)
+    try:
+        assert store.generation == 2 and store._active_slot == 1
+        assert [r[2] for r in store.replay_records] == [b"in-journal"]
+    finally:
+        device.close()
+    fs = open_fs(path)
+    assert names(fs) == [b"in-checkpoint", b"in-journal"]
+    # The next checkpoint overwrites the torn slot, never the good one.
+    await fs.store.checkpoint()
+    assert fs.store.generation == 3
+    a, b = slot_headers(path, sb)
+    assert a[0] == 3 and b[0] == 2
+    fs.close()
+    fs = open_fs(path)
+    assert names(fs) == [b"in-checkpoint", b"in-journal"]
+    close_and_check(fs)
+
+
+async def test_no_valid_checkpoint_is_a_format_error(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    await fs.store.checkpoint()
+    sb = fs.store.sb
+    fs.close()
+    flip_byte(path, sb.checkpoint_a_off + 3)           # header magic of slot A
+    flip_byte(path, sb.checkpoint_b_off + S + 1)       # payload of slot B
+    device = Device.open(str(path), readonly=True)
+    try:
+        with pytest.raises(FormatError, match="no valid checkpoint in either slot"):
+            ExtentStore.open(device)
+    finally:
+        device.close()
+    flip_byte(path, sb.checkpoint_b_off + S + 1)       # undo: slot B is whole again
+    assert_fsck_clean(path)
+
+
+async def test_pending_frees_are_not_reused_before_the_freeing_record_is_durable(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    store = fs.store
+    sb = store.sb
+    assert not store.replaying
+    whole = store.allocate(sb.data_len)                # take the entire data region
+    assert whole == sb.data_off and store.allocator.free_bytes == 0
+    # A live free (as record application does) only queues the extent ...
+    store.free(whole, sb.data_len)
+    assert store.pending_free_bytes == sb.data_len
+    assert store.allocator.free_bytes == 0
+    with pytest.raises(NoSpace):
+        store.allocate(S)                              # ... so it cannot be handed out again
+    # A checkpoint taken now already counts it as free: no durable record names it.
+    assert fs.ns.snapshot()["free"] == [(sb.data_off, sb.data_len)]
+    # The record describing the change; once it is durable the space comes back.
+    fs.ns.make(ROOT_INO, b"freeing-record", DIR_MODE, 0, 0)
+    await store.commit()
+    assert store.pending_free_bytes == 0
+    assert store.allocator.extents() == [(sb.data_off, sb.data_len)]
+    assert store.statistics().free_bytes == sb.data_len
+    close_and_check(fs)
+
+
+async def test_frees_during_replay_take_effect_at_once(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    store = fs.store
+    store.replaying = True
+    off = store.allocate(3 * S)
+    store.free(off, 3 * S)
+    assert store.pending_free_bytes == 0 and store.allocator.free_bytes == store.sb.data_len
+    store.replaying = False
+    close_and_check(fs)
+
+
+async def test_uncommitted_file_content_is_not_visible_after_a_crash(tmp_path):
+    """A file whose content record never reached the journal comes back empty."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    async with running(fs, persist=False):
+        ino = await write_file(fs.ns, ROOT_INO, b"durable", pattern(1, 3 * BS))
+        fh, _, _ = fs.ns.open(fs.ns.make(ROOT_INO, b"volatile", 0o100644, 0, 0), os.O_WRONLY)
+        await fs.ns.write(fh, 0, pattern(2, 2 * BS))
+        await fs.cache.flush_file(fs.ns.handle(fh).inode.data)   # blocks on the device ...
+        await fs.store.commit()                                    # ... but no content record
+    fs.close()                                                     # crash: nothing more written
+    fs = open_fs(path)
+    assert fs.ns.inodes[ino].size == 3 * BS
+    vol = fs.ns.inodes[lookup_path(fs.ns, "volatile")]
+    assert vol.size == 0 and vol.committed == []
+    # The orphaned blocks of "volatile" were never referenced: fsck sees free space.
+    close_and_check(fs)
+
+
+@pytest.mark.parametrize("persist", ["commit", "checkpoint"])
+async def test_free_by_a_record_appended_during_an_inflight_commit_waits_for_that_record(tmp_path, persist):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns, store = fs.ns, fs.store
+    async with running(fs, persist=False):
+        ino = await write_file(ns, ROOT_INO, b"victim", pattern(7, BS))   # content durable
+        key = ns.inodes[ino].committed[0]
+        off, length = fs.index.extent(key)
+        ns.forget(ino, 1)                                # the kernel lets go of it
+        ns.make(ROOT_INO, b"unrelated", DIR_MODE, 0, 0)
+        before = store.statistics()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(getattr(store, persist))
+            await trio.testing.wait_all_tasks_blocked()
+            assert store.statistics().records_pending == 0      # the frame is being written
+            # While that write is in flight: unlink the file. Its block's extent is freed
+            # by the "rm" record, which is *not* part of the frame being written.
+            ns.unlink(ROOT_INO, b"victim", directory=False)
+            assert key not in fs.index.entries
+            assert store.pending_free_bytes == 4096 * ((length + 4095) // 4096)
+        st = store.statistics()
+        assert (st.commits, st.checkpoints) != (before.commits, before.checkpoints)
+        assert st.records_pending == 1                  # the rm record is still not durable ...
+        # ... so a crash now brings "victim" back, naming the extent at ``off``. That extent
+        # must not be reusable yet.
+        assert store.pending_free_bytes > 0, "the extent was released before the rm record was durable"
+        assert all(not (s <= off < s + n) for s, n in store.allocator.extents())
+        await store.commit()
+        assert store.pending_free_bytes == 0
+    await store.checkpoint()
+    close_and_check(fs)
+
+
+async def test_replay_stops_at_a_frame_that_breaks_the_sequence(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    sb = fs.store.sb
+    for name in (b"zero", b"one", b"two"):
+        fs.ns.make(ROOT_INO, name, DIR_MODE, 0, 0)
+        await fs.store.commit()
+    fs.close()
+    # Rewrite frame 1 as a well-formed frame with sequence number 7.
+    import msgpack
+    store, device = reopen_store(path)
+    try:
+        frame1 = [r for r in store.replay_records if r[2] == b"one"]
+    finally:
+        device.close()
+    from .helpers import poke
+    poke(path, sb.journal_off + S, fmt.encode_journal_frame(1, 7, msgpack.packb(frame1), sb.hash_seed))
+    store, device = reopen_store(path)
+    try:
+        assert [r[2] for r in store.replay_records] == [b"zero"]
+        assert store.replay_report["frames"] == 1
+    finally:
+        device.close()
+    fs = open_fs(path)
+    assert names(fs) == [b"zero"]
+    close_and_check(fs)
+
+
+async def test_failed_checkpoint_and_commit_keep_their_records_queued(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path, readonly=True)                  # every write fails
+    fs.ns.make(ROOT_INO, b"a", DIR_MODE, 0, 0)
+    from kvfs.errors import DeviceError
+    with pytest.raises(DeviceError):
+        await fs.store.checkpoint()
+    st = fs.store.statistics()
+    assert (st.records_pending, st.generation, st.checkpoints) == (1, 1, 0)
+    fs.ns.make(ROOT_INO, b"b", DIR_MODE, 0, 0)
+    with pytest.raises(DeviceError):
+        await fs.store.commit()
+    st = fs.store.statistics()
+    assert (st.records_pending, st.commits, st.journal_bytes) == (2, 0, 0)
+    assert [r[2] for r in fs.store._pending] == [b"a", b"b"]       # in order, none lost
+    close_and_check(fs)                                # nothing reached the device

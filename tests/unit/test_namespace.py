@@ -1,0 +1,670 @@
+"""Namespace: names, links, renames, readdir cookies, replay equivalence, open files, upkeep."""
+import errno
+import os
+import stat
+
+import pytest
+import trio
+
+from kvfs.errors import FsError
+from kvfs.namespace import (BY_HASH_INO, META_DIR_INO, META_NAME, ROOT_INO, VIEW_BIT, DirEntries)
+
+from .helpers import (BS, DIR_MODE, FILE_MODE, Clock, close_and_check, lookup_path, mkfs, open_fs,
+                      pattern, read_all, running, wait_until, write_file)
+
+LNK_MODE = stat.S_IFLNK | 0o777
+
+
+def err(exc_info):
+    return exc_info.value.errno
+
+
+def check_tree(ns):
+    """The invariants fsck checks, asserted live: entries, reachability, link counts, parents."""
+    links, subdirs, seen, todo = {}, {}, {ROOT_INO}, [ROOT_INO]
+    while todo:
+        d = ns.inodes[todo.pop()]
+        for name, (child, _) in d.entries.by_name.items():
+            assert child in ns.inodes, (d.ino, name)
+            links[child] = links.get(child, 0) + 1
+            node = ns.inodes[child]
+            if node.is_dir:
+                assert node.parent == d.ino
+                subdirs[d.ino] = subdirs.get(d.ino, 0) + 1
+                assert child not in seen
+                seen.add(child)
+                todo.append(child)
+    for ino, inode in ns.inodes.items():
+        if inode.is_dir:
+            assert inode.nlink == 2 + subdirs.get(ino, 0), ino
+            assert ino in seen
+        else:
+            assert inode.nlink == links.get(ino, 0) > 0, ino
+
+
+async def test_make_link_unlink_and_their_errors(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        d = ns.make(ROOT_INO, b"dir", DIR_MODE, 1, 2)
+        f = await write_file(ns, d, b"file", pattern(1, 1000))
+        s = ns.make(d, b"sym", LNK_MODE, 0, 0, target=b"file")
+        assert ns.lookup(d, b"file") == f and ns.inodes[f].lookups == 2
+        assert ns.inodes[d].nlink == 2 and ns.inodes[ROOT_INO].nlink == 3
+        assert (ns.inodes[d].uid, ns.inodes[d].gid) == (1, 2)
+        assert ns.inodes[s].target == b"file" and ns.inodes[s].size == 4
+        assert ns.next_ino == 19
+        # link
+        assert ns.link(f, ROOT_INO, b"hard") == f
+        assert ns.inodes[f].nlink == 2
+        with pytest.raises(FsError) as e:
+            ns.link(d, ROOT_INO, b"dirlink")
+        assert err(e) == errno.EPERM
+        with pytest.raises(FsError) as e:
+            ns.link(f, d, b"sym")
+        assert err(e) == errno.EEXIST
+        # make errors
+        for name, code in [(b"dir", errno.EEXIST), (b"", errno.EINVAL), (b".", errno.EINVAL),
+                           (b"..", errno.EINVAL), (b"a/b", errno.EINVAL), (b"a\0b", errno.EINVAL)]:
+            with pytest.raises(FsError) as e:
+                ns.make(ROOT_INO, name, FILE_MODE, 0, 0)
+            assert err(e) == code, name
+        with pytest.raises(FsError) as e:
+            ns.make(ROOT_INO, META_NAME, DIR_MODE, 0, 0)
+        assert err(e) == errno.EEXIST
+        with pytest.raises(FsError) as e:
+            ns.make(ROOT_INO, b"fifo", stat.S_IFIFO | 0o644, 0, 0)
+        assert err(e) == errno.EOPNOTSUPP
+        with pytest.raises(FsError) as e:
+            ns.make(f, b"x", FILE_MODE, 0, 0)
+        assert err(e) == errno.ENOTDIR
+        with pytest.raises(FsError) as e:
+            ns.make(META_DIR_INO, b"x", FILE_MODE, 0, 0)
+        assert err(e) == errno.EROFS
+        # unlink errors
+        for parent, name, directory, code in [(ROOT_INO, b"nope", False, errno.ENOENT),
+                                              (ROOT_INO, b"dir", False, errno.EISDIR),
+                                              (ROOT_INO, b"hard", True, errno.ENOTDIR),
+                                              (ROOT_INO, b"dir", True, errno.ENOTEMPTY),
+                                              (ROOT_INO, META_NAME, True, errno.EPERM)]:
+            with pytest.raises(FsError) as e:
+                ns.unlink(parent, name, directory=directory)
+            assert err(e) == code, name
+        # unlink one of two names: the file lives on under the other
+        ns.unlink(d, b"file", directory=False)
+        assert ns.inodes[f].nlink == 1
+        assert await read_all(ns, f) == pattern(1, 1000)
+        with pytest.raises(FsError) as e:
+            ns.lookup(d, b"file")
+        assert err(e) == errno.ENOENT
+        ns.unlink(d, b"sym", directory=False)
+        ns.unlink(ROOT_INO, b"dir", directory=True)
+        assert ns.inodes[ROOT_INO].nlink == 2
+        assert d in ns.orphans                                 # still looked up by the kernel
+        ns.forget(d, 1)
+        assert d not in ns.orphans
+        check_tree(ns)
+    close_and_check(fs)
+
+
+async def test_name_length_limit(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        ok, long = b"n" * 255, b"n" * 256
+        f = ns.make(ROOT_INO, ok, FILE_MODE, 0, 0)
+        assert ns.lookup(ROOT_INO, ok) == f
+        for call in [lambda: ns.make(ROOT_INO, long, FILE_MODE, 0, 0),
+                     lambda: ns.make(ROOT_INO, long, DIR_MODE, 0, 0),
+                     lambda: ns.link(f, ROOT_INO, long),
+                     lambda: ns.lookup(ROOT_INO, long),
+                     lambda: ns.unlink(ROOT_INO, long, directory=False)]:
+            with pytest.raises(FsError) as e:
+                call()
+            assert err(e) == errno.ENAMETOOLONG
+        with pytest.raises(FsError) as e:
+            await ns.rename(ROOT_INO, ok, ROOT_INO, long)
+        assert err(e) == errno.ENAMETOOLONG
+        assert list(ns.inodes[ROOT_INO].entries.by_name) == [ok]
+        await ns.rename(ROOT_INO, ok, ROOT_INO, b"short")
+        assert ns.lookup(ROOT_INO, b"short") == f
+    close_and_check(fs)
+
+
+async def test_rename_moves_replaces_and_refuses(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        a = ns.make(ROOT_INO, b"a", DIR_MODE, 0, 0)
+        b = ns.make(ROOT_INO, b"b", DIR_MODE, 0, 0)
+        sub = ns.make(a, b"sub", DIR_MODE, 0, 0)
+        deep = ns.make(sub, b"deep", DIR_MODE, 0, 0)
+        f1 = await write_file(ns, a, b"f1", pattern(1, BS + 5))
+        f2 = await write_file(ns, b, b"f2", pattern(2, 2 * BS))
+        old_keys = [k for k in ns.inodes[f2].committed]
+        check_tree(ns)
+        # Move a directory across directories: parents and link counts follow.
+        await ns.rename(a, b"sub", b, b"sub2")
+        assert ns.inodes[sub].parent == b
+        assert (ns.inodes[a].nlink, ns.inodes[b].nlink) == (2, 3)
+        check_tree(ns)
+        # A directory cannot move into itself or below itself.
+        for parent in (sub, deep):
+            with pytest.raises(FsError) as e:
+                await ns.rename(b, b"sub2", parent, b"x")
+            assert err(e) == errno.EINVAL
+        # noreplace refuses an existing target.
+        with pytest.raises(FsError) as e:
+            await ns.rename(a, b"f1", b, b"f2", noreplace=True)
+        assert err(e) == errno.EEXIST
+        # Type mismatches and non-empty targets.
+        with pytest.raises(FsError) as e:
+            await ns.rename(a, b"f1", b, b"sub2")
+        assert err(e) == errno.EISDIR
+        with pytest.raises(FsError) as e:
+            await ns.rename(b, b"sub2", b, b"f2")
+        assert err(e) == errno.ENOTDIR
+        empty = ns.make(a, b"empty", DIR_MODE, 0, 0)
+        with pytest.raises(FsError) as e:
+            await ns.rename(a, b"empty", b, b"sub2")            # sub2 holds "deep"
+        assert err(e) == errno.ENOTEMPTY
+        with pytest.raises(FsError) as e:
+            await ns.rename(a, b"missing", b, b"x")
+        assert err(e) == errno.ENOENT
+        with pytest.raises(FsError) as e:
+            await ns.rename(ROOT_INO, META_NAME, a, b"x")
+        assert err(e) == errno.EPERM
+        # Replace a file: the victim's blocks are released once the rename is durable.
+        ns.forget(f2, 1)
+        await ns.rename(a, b"f1", b, b"f2")
+        assert ns.lookup(b, b"f2") == f1
+        assert f2 not in ns.inodes and f2 not in ns.orphans
+        assert all(k not in fs.index.entries for k in old_keys)
+        assert fs.store.pending_free_bytes == 2 * BS
+        await fs.store.commit()
+        assert fs.store.pending_free_bytes == 0
+        # Replace an empty directory with a directory.
+        await ns.rename(b, b"sub2", a, b"empty")
+        assert ns.inodes[sub].parent == a and empty in ns.orphans
+        assert (ns.inodes[a].nlink, ns.inodes[b].nlink) == (3, 2)
+        # Renaming a name onto another link of the same file does nothing.
+        ns.link(f1, ROOT_INO, b"alias")
+        before = fs.store.statistics().records_pending
+        await ns.rename(ROOT_INO, b"alias", b, b"f2")
+        assert fs.store.statistics().records_pending == before
+        assert ns.lookup(ROOT_INO, b"alias") == f1 and ns.inodes[f1].nlink == 2
+        check_tree(ns)
+        assert await read_all(ns, f1) == pattern(1, BS + 5)
+    close_and_check(fs)
+
+
+async def test_rename_records_a_closed_files_content_first(tmp_path):
+    """write-temp-then-rename: after a crash the final name never shows an empty file."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs, persist=False):
+        old = await write_file(ns, ROOT_INO, b"final", pattern(1, BS))
+        tmp = ns.make(ROOT_INO, b"final.tmp", FILE_MODE, 0, 0)
+        fh, _, _ = ns.open(tmp, os.O_WRONLY)
+        await ns.write(fh, 0, pattern(2, 2 * BS + 3))
+        await ns.release(fh)                        # no upkeep task: nothing sealed it yet
+        assert ns.inodes[tmp].content_dirty
+        await ns.rename(ROOT_INO, b"final.tmp", ROOT_INO, b"final")
+        assert not ns.inodes[tmp].content_dirty
+        await fs.store.commit()
+        ns.forget(old, 1)
+        ns.forget(tmp, 1)
+    fs.close()                                      # crash right after the rename is durable
+    fs = open_fs(path)
+    assert lookup_path(fs.ns, "final.tmp") is None
+    assert await read_all(fs.ns, lookup_path(fs.ns, "final")) == pattern(2, 2 * BS + 3)
+    close_and_check(fs)
+
+
+async def test_rename_into_a_removed_directory_is_enoent(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs, persist=False):
+        gone = ns.make(ROOT_INO, b"gone", DIR_MODE, 0, 0)      # the kernel keeps a lookup on it
+        ns.make(ROOT_INO, b"f", FILE_MODE, 0, 0)
+        ns.unlink(ROOT_INO, b"gone", directory=True)
+        assert gone in ns.orphans
+        try:
+            with pytest.raises(FsError) as e:
+                await ns.rename(ROOT_INO, b"f", gone, b"f")
+            assert err(e) == errno.ENOENT
+        finally:
+            await fs.store.commit()                            # whatever was journaled is durable
+    fs.close()
+    fs = open_fs(path)                                         # and the store must still mount
+    assert lookup_path(fs.ns, "f") is not None
+    close_and_check(fs)
+
+
+def test_readdir_cookies_survive_removals_and_additions():
+    d = DirEntries()
+    for i in range(300):
+        d.add(b"e%03d" % i, 1000 + i)
+    listed = []
+    it = d.items_after(0)
+    for _ in range(100):
+        listed.append(next(it))
+    cookie = listed[-1][2]
+    cookies = [c for _, _, c in listed]
+    assert cookies == sorted(cookies) and len(set(cookies)) == 100
+    # Between two readdir calls: remove entries on both sides of the cookie (enough to
+    # compact the cookie list), and add new ones.
+    for i in range(0, 300, 2):
+        d.remove(b"e%03d" % i)
+    for i in range(300, 320):
+        d.add(b"e%03d" % i, 1000 + i)
+    assert len(d) == 170
+    rest = list(d.items_after(cookie))
+    names = [n for n, _, _ in rest]
+    want = [b"e%03d" % i for i in range(100, 300) if i % 2] + [b"e%03d" % i for i in range(300, 320)]
+    assert names == want                                  # nothing repeated, nothing skipped
+    assert all(d.get(n) == ino for n, ino, _ in rest)
+    assert all(c > cookie for _, _, c in rest)
+    # Resuming from any cookie handed out earlier still works after compaction.
+    for _, _, c in listed:
+        after = [n for n, _, _ in d.items_after(c)]
+        assert after == sorted(after) and len(after) == len(set(after))
+    # A name removed and re-added gets a new, larger cookie.
+    d.remove(b"e101")
+    d.add(b"e101", 7)
+    assert list(d.items_after(0))[-1] == (b"e101", 7, d.by_name[b"e101"][1])
+
+
+async def test_list_dir_resumes_from_cookies(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    for i in range(20):
+        ns.make(ROOT_INO, b"f%02d" % i, FILE_MODE, 0, 0)
+    first = list(ns.list_dir(ROOT_INO, 0))
+    assert first[0] == (META_NAME, META_DIR_INO, 1)
+    assert [n for n, _, _ in first[1:]] == [b"f%02d" % i for i in range(20)]
+    cookie = first[5][2]
+    ns.unlink(ROOT_INO, b"f02", directory=False)           # already listed
+    ns.unlink(ROOT_INO, b"f10", directory=False)           # not yet listed
+    ns.make(ROOT_INO, b"new", FILE_MODE, 0, 0)
+    rest = [n for n, _, _ in ns.list_dir(ROOT_INO, cookie)]
+    assert rest == [b"f%02d" % i for i in range(5, 20) if i != 10] + [b"new"]
+    assert list(ns.list_dir(META_DIR_INO, 0)) == [(b"by-hash", BY_HASH_INO, 1)]
+    async with running(fs):
+        pass
+    close_and_check(fs)
+
+
+async def build_tree(fs):
+    """A mix of every kind of record; returns the content of the surviving files."""
+    ns = fs.ns
+    d = ns.make(ROOT_INO, b"d", DIR_MODE, 0, 0)
+    e = ns.make(d, b"e", DIR_MODE, 0, 0)
+    f1 = await write_file(ns, d, b"f1", pattern(1, 3 * BS + 7))
+    f2 = await write_file(ns, e, b"f2", pattern(2, BS))
+    f3 = await write_file(ns, ROOT_INO, b"f3", pattern(1, 3 * BS + 7))   # dedups with f1
+    ns.make(e, b"s", LNK_MODE, 0, 0, target=b"../d/f1")
+    ns.link(f2, ROOT_INO, b"f2-link")
+    await ns.rename(d, b"e", ROOT_INO, b"e-moved")
+    await ns.rename(ROOT_INO, b"f3", d, b"f1")                                  # replaces f1
+    await ns.setattr(f2, mode=0o600, uid=5, gid=6, mtime=123)
+    fh, _, _ = ns.open(f2, os.O_WRONLY)
+    await ns.write(fh, BS - 10, pattern(3, 30))                          # grows and rewrites
+    await ns.fsync(fh)
+    await ns.release(fh)
+    await ns.setattr(f3, size=BS + 1)                                     # truncate
+    junk = await write_file(ns, ROOT_INO, b"junk", pattern(4, 2 * BS))
+    ns.unlink(ROOT_INO, b"junk", directory=False)
+    ns.make(ROOT_INO, b"empty", FILE_MODE, 0, 0)
+    for ino in (d, e, f1, f2, f3, junk):
+        ns.forget(ino, ns.inode(ino).lookups)
+    await ns.flush_all()
+    expected = bytearray(pattern(2, BS))
+    expected[BS - 10:] = b""
+    expected += pattern(3, 30)
+    return {"d/f1": pattern(1, 3 * BS + 7)[:BS + 1], "e-moved/f2": bytes(expected),
+            "f2-link": bytes(expected), "empty": b""}
+
+
+def normalised(snapshot):
+    return {
+        "next_ino": snapshot["next_ino"],
+        "inodes": sorted((row[:-1], repr(row[-1])) for row in snapshot["inodes"]),
+        "blocks": sorted(snapshot["blocks"]),
+        "free": sorted(map(tuple, snapshot["free"])),
+    }
+
+
+async def test_replay_reproduces_the_live_namespace(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path, now=Clock())
+    async with running(fs, persist=False):
+        files = await build_tree(fs)
+    live = normalised(fs.ns.snapshot())
+    assert fs.store.statistics().generation == 1           # everything is in the journal
+    fs.close()
+
+    # 1. Mount-style replay (checkpoint state + journal) gives the same state.
+    fs = open_fs(path, now=Clock())
+    assert fs.replayed["records"] > 15
+    assert normalised(fs.ns.snapshot()) == live
+    check_tree(fs.ns)
+    for p, data in files.items():
+        assert await read_all(fs.ns, lookup_path(fs.ns, p)) == data
+    # 2. The same records applied one by one to a fresh namespace on another new store.
+    records = list(fs.store.replay_records) if fs.store.replay_records else None
+    fs.close()
+    from kvfs.device import Device
+    from kvfs.extents import ExtentStore
+    dev = Device.open(str(path), readonly=True)
+    try:
+        records = ExtentStore.open(dev).replay_records
+    finally:
+        dev.close()
+    other = open_fs(mkfs(tmp_path, name="other.kvfs"), now=Clock())
+    other.store.replaying = True
+    for rec in records:
+        other.ns.apply(rec)
+    other.store.replaying = False
+    assert normalised(other.ns.snapshot()) == live
+    other.close()                                           # nothing persisted there
+
+    # 3. After a checkpoint the state is the same again, with an empty journal.
+    fs = open_fs(path, now=Clock())
+    await fs.store.checkpoint()
+    fs.close()
+    fs = open_fs(path, now=Clock())
+    assert fs.replayed["records"] == 0
+    assert normalised(fs.ns.snapshot()) == live
+    close_and_check(fs)
+
+
+async def test_unlink_while_open_keeps_data_until_release_and_forget(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns, index = fs.ns, fs.index
+    data = pattern(9, 2 * BS + 3)
+    async with running(fs):
+        ino = await write_file(ns, ROOT_INO, b"f", data)        # one lookup held
+        keys = [k for k in ns.inodes[ino].committed]
+        fh, _, _ = ns.open(ino, os.O_RDONLY)
+        ns.unlink(ROOT_INO, b"f", directory=False)
+        await fs.store.commit()
+        assert ino in ns.orphans and ino not in ns.inodes
+        assert all(index.entries[k].refs == 0 and index.entries[k].pins >= 1 for k in keys)
+        fs.cache.drop_clean()
+        assert await ns.read(fh, 0, len(data)) == data          # from the device, still intact
+        # A checkpoint now does not contain the orphan, and treats its blocks as free.
+        snap = ns.snapshot()
+        assert ino not in {row[0] for row in snap["inodes"]} and snap["blocks"] == []
+        await ns.release(fh)
+        assert ino in ns.orphans                                # the kernel still knows the inode
+        fh, _, _ = ns.open(ino, os.O_RDONLY)                    # ... and may open it again
+        assert await ns.read(fh, 0, 10) == data[:10]
+        await ns.release(fh)
+        assert all(k in index.entries for k in keys)
+        ns.forget(ino, 1)
+        assert ino not in ns.orphans
+        assert all(k not in index.entries for k in keys)
+        assert fs.store.pending_free_bytes == 2 * BS + 4096       # released, reusable once durable
+    assert fs.store.allocator.free_bytes == fs.store.sb.data_len  # after the final checkpoint
+    close_and_check(fs)
+
+
+async def test_space_of_an_unlinked_file_is_reusable_after_its_last_close(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns, store = fs.ns, fs.store
+    async with running(fs):
+        other = await write_file(ns, ROOT_INO, b"other", b"")          # an existing, committed file
+        victim = await write_file(ns, ROOT_INO, b"victim", pattern(1, 3 * BS))
+        filler_len = store.allocator.free_bytes
+        filler = store.allocate(filler_len)                             # the device is now full
+        fh, _, _ = ns.open(victim, os.O_RDONLY)
+        ns.unlink(ROOT_INO, b"victim", directory=False)
+        await store.commit()                                             # the unlink is durable
+        assert await ns.read(fh, 0, 3 * BS) == pattern(1, 3 * BS)
+        await ns.release(fh)
+        ns.forget(victim, 1)                                             # last user gone: blocks freed
+        assert store.pending_free_bytes == 3 * BS
+        # Nothing durable names those extents any more: a commit must make them reusable ...
+        await store.commit()
+        assert store.pending_free_bytes == 0
+        # ... and a writer overwriting an existing file must get the space, not ENOSPC.
+        wfh, _, _ = ns.open(other, os.O_WRONLY)
+        await ns.write(wfh, 0, pattern(2, BS))
+        await ns.fsync(wfh)
+        await ns.release(wfh)
+        assert await read_all(ns, other) == pattern(2, BS)
+        store.free(filler, filler_len)
+        ns.forget(other, 1)
+        ns.make(ROOT_INO, b"last", DIR_MODE, 0, 0)                       # a record to commit the free
+    close_and_check(fs)
+
+
+async def test_open_write_read_truncate_and_handle_errors(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        ino = ns.make(ROOT_INO, b"f", FILE_MODE, 0, 0)
+        fh, direct, keep = ns.open(ino, os.O_RDWR)
+        assert direct and not keep                     # content changing: bypass the page cache
+        assert await ns.write(fh, 0, pattern(1, 3 * BS)) == 3 * BS
+        assert ns.inodes[ino].content_dirty
+        assert await ns.read(fh, BS, 10) == pattern(1, 3 * BS)[BS:BS + 10]
+        assert await ns.read(fh, 3 * BS, 10) == b""
+        await ns.fsync(fh)
+        assert not ns.inodes[ino].content_dirty
+        assert ns.inodes[ino].size_committed == 3 * BS
+        await ns.release(fh)
+        ro, direct, keep = ns.open(ino, os.O_RDONLY)
+        assert not direct
+        with pytest.raises(FsError) as e:
+            await ns.write(ro, 0, b"x")
+        assert err(e) == errno.EBADF
+        await ns.release(ro)
+        with pytest.raises(FsError) as e:
+            await ns.read(12345, 0, 1)
+        assert err(e) == errno.EBADF
+        with pytest.raises(FsError) as e:
+            ns.open(ROOT_INO, os.O_RDONLY)
+        assert err(e) == errno.EISDIR
+        # O_TRUNC empties the file; the durable content changes only at the next seal.
+        fh, _, _ = ns.open(ino, os.O_WRONLY | os.O_TRUNC)
+        assert ns.inodes[ino].size == 0
+        assert ns.inodes[ino].size_committed == 3 * BS
+        await ns.write(fh, 0, b"short")
+        await ns.fsync(fh)
+        await ns.release(fh)
+        assert ns.inodes[ino].size_committed == 5
+        with pytest.raises(FsError) as e:
+            await ns.setattr(ROOT_INO, size=0)
+        assert err(e) == errno.EISDIR
+        ns.forget(ino, 1)
+    fs.close()
+    fs = open_fs(path)
+    assert await read_all(fs.ns, lookup_path(fs.ns, "f")) == b"short"
+    close_and_check(fs)
+
+
+async def test_by_hash_view_is_read_only(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        ino = await write_file(ns, ROOT_INO, b"f", pattern(3, BS))
+        listing = list(ns.list_dir(BY_HASH_INO, 0))
+        mine = [(n, i) for n, i, _ in listing if i == ino | VIEW_BIT]
+        assert len(mine) == 1
+        name = mine[0][0]
+        assert bytes.fromhex(name.decode()) == ns.inodes[ino].content_key
+        view = ns.lookup(BY_HASH_INO, name)
+        assert view == ino | VIEW_BIT
+        with pytest.raises(FsError) as e:
+            ns.open(view, os.O_WRONLY)
+        assert err(e) == errno.EROFS
+        fh, _, _ = ns.open(view, os.O_RDONLY)
+        assert await ns.read(fh, 0, BS) == pattern(3, BS)
+        await ns.release(fh)
+        with pytest.raises(FsError) as e:
+            ns.make(BY_HASH_INO, b"x", FILE_MODE, 0, 0)
+        assert err(e) == errno.EROFS
+        ns.forget(view, 1)
+        ns.forget(ino, 1)
+    close_and_check(fs)
+
+
+async def test_upkeep_seals_closed_files_and_commits_on_the_clock(tmp_path, mock_clock):
+    """Namespace.run under a mock clock: nothing is committed until commit_interval passes."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns, store = fs.ns, fs.store
+    async with running(fs, commit_interval=5.0):
+        closed = ns.make(ROOT_INO, b"closed", FILE_MODE, 0, 0)
+        fh, _, _ = ns.open(closed, os.O_WRONLY)
+        await ns.write(fh, 0, pattern(1, BS + 1))
+        await ns.release(fh)                                # schedules the seal at once
+        kept = ns.make(ROOT_INO, b"kept-open", FILE_MODE, 0, 0)
+        wfh, _, _ = ns.open(kept, os.O_WRONLY)
+        await ns.write(wfh, 0, pattern(2, BS))
+        await wait_until(lambda: not ns.inodes[closed].content_dirty, what="seal of the closed file")
+        assert ns.inodes[closed].size_committed == BS + 1
+        st = store.statistics()
+        assert st.commits == 0 and st.records_pending == 3      # mk, mk, ct: not durable yet
+        mock_clock.jump(5.0)
+        await wait_until(lambda: store.statistics().commits == 1, what="the periodic commit")
+        assert store.statistics().records_pending == 0
+        assert ns.inodes[kept].content_dirty                    # a file open for writing is not sealed
+        await ns.release(wfh)
+        await wait_until(lambda: not ns.inodes[kept].content_dirty, what="seal after close")
+        assert store.statistics().records_pending == 1
+        mock_clock.jump(5.0)
+        await wait_until(lambda: store.statistics().commits == 2, what="the second commit")
+        # Fill the journal past half: the next tick writes a checkpoint.
+        i = 0
+        while store.journal_fill <= 0.5:
+            ns.make(ROOT_INO, b"l%d" % i, LNK_MODE, 0, 0, target=pattern(i, 60 << 10))
+            i += 1
+            if i % 10 == 0:
+                await store.commit()
+        assert store.statistics().generation == 1
+        mock_clock.jump(5.0)
+        await wait_until(lambda: store.statistics().generation == 2, what="the checkpoint")
+        ns.forget(closed, 1)
+        ns.forget(kept, 1)
+    fs.close()
+    fs = open_fs(path)
+    assert await read_all(fs.ns, lookup_path(fs.ns, "closed")) == pattern(1, BS + 1)
+    assert await read_all(fs.ns, lookup_path(fs.ns, "kept-open")) == pattern(2, BS)
+    close_and_check(fs)
+
+
+@pytest.mark.parametrize("crash_after", ["checkpoint", "content-record"])
+async def test_checkpoint_between_flush_and_content_record(tmp_path, crash_after):
+    """Blocks on the device but not yet named by a record are free in a checkpoint; a later
+    content record claims them again at replay."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns, store = fs.ns, fs.store
+    data = pattern(5, 3 * BS + 9)
+    async with running(fs, persist=False):
+        ino = ns.make(ROOT_INO, b"f", FILE_MODE, 0, 0)
+        fh, _, _ = ns.open(ino, os.O_WRONLY)
+        await ns.write(fh, 0, data)
+        await fs.cache.flush_file(ns.inodes[ino].data)      # on the device, pinned only
+        await store.checkpoint()
+        state_blocks = ns.snapshot()["blocks"]
+        assert state_blocks == []                           # not durable content yet
+        if crash_after == "content-record":
+            await ns.fsync(fh)                              # "ct" in the new generation's journal
+        await ns.release(fh)
+        ns.forget(ino, 1)
+    fs.close()                                              # crash: no further checkpoint
+    fs = open_fs(path)
+    got = await read_all(fs.ns, lookup_path(fs.ns, "f"))
+    if crash_after == "content-record":
+        assert fs.replayed["records"] == 1
+        assert got == data
+    else:
+        assert got == b""
+        assert fs.store.allocator.free_bytes == fs.store.sb.data_len
+    close_and_check(fs)
+
+
+async def test_concurrent_block_writes_and_fsyncs_end_consistent(tmp_path):
+    """A writer rewriting whole blocks while another task fsyncs, then close: the durable
+    content equals the last writes. (Whole blocks only: partial blocks dirtied during an
+    fsync hit the flush_file bug covered in test_blockcache.)"""
+    path = mkfs(tmp_path)
+    fs = open_fs(path, cache_size=8 * BS, dirty_limit=4 * BS, flush_workers=2, write_delay=0.005)
+    ns = fs.ns
+    model = bytearray(6 * BS)
+    async with running(fs, commit_interval=0.05):
+        ino = ns.make(ROOT_INO, b"f", FILE_MODE, 0, 0)
+        fh, _, _ = ns.open(ino, os.O_RDWR)
+        await ns.write(fh, 0, bytes(model))
+        done = trio.Event()
+
+        async def writer():
+            for i in range(40):
+                off = (i * 7 % 5) * BS
+                chunk = pattern(100 + i, 2 * BS)
+                await ns.write(fh, off, chunk)
+                model[off:off + len(chunk)] = chunk
+            done.set()
+
+        async def syncer():
+            while not done.is_set():
+                await ns.fsync(fh)
+                await trio.sleep(0.01)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                nursery.start_soon(syncer)
+        assert bytes(await ns.read(fh, 0, len(model) + 10)) == bytes(model)
+        await ns.release(fh)
+        ns.forget(ino, 1)
+    fs.close()
+    fs = open_fs(path)
+    assert await read_all(fs.ns, lookup_path(fs.ns, "f")) == bytes(model)
+    close_and_check(fs)
+
+
+async def test_statistics_are_frozen_records_that_add_up(tmp_path):
+    import dataclasses
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        d = ns.make(ROOT_INO, b"d", DIR_MODE, 0, 0)
+        a = await write_file(ns, d, b"a", pattern(1, 2 * BS + 1))
+        b = await write_file(ns, d, b"b", pattern(1, 2 * BS + 1))        # same content
+        fh, _, _ = ns.open(a, os.O_RDONLY)
+        st = ns.statistics()
+        assert (st.inodes, st.files, st.directories, st.open_handles, st.orphans) == (4, 2, 2, 1, 0)
+        assert st.logical_bytes == 2 * (2 * BS + 1) and st.next_ino == 19
+        idx = fs.index.statistics()
+        assert idx.unique_blocks == 3 and idx.used_bytes == 2 * BS + 4096
+        assert idx.dedup_hits >= 3 and idx.blocks_written == 3
+        store = fs.store.statistics()
+        assert store.capacity_bytes == fs.store.sb.data_len
+        assert store.free_bytes == store.capacity_bytes - idx.used_bytes
+        for record in (st, idx, store, fs.cache.statistics(), fs.device.statistics()):
+            assert dataclasses.is_dataclass(record)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(record, dataclasses.fields(record)[0].name, 0)
+        stats = fs.stats()                                                # what kvfs-admin shows
+        assert stats["files"] == 2 and stats["unique_blocks"] == 3
+        assert stats["dedup_ratio"] == round(st.logical_bytes / idx.used_bytes, 4)
+        await ns.release(fh)
+        for ino in (d, a, b):
+            ns.forget(ino, 1)
+    close_and_check(fs)
