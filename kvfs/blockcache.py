@@ -48,7 +48,7 @@ class FileData:
     pinned in the index), or a :class:`Dirty` buffer.
     """
 
-    __slots__ = ("size", "blocks", "dirty_count", "clean", "failed", "prefetched_upto", "__weakref__")
+    __slots__ = ("size", "blocks", "dirty_count", "clean", "failed", "prefetched_upto", "progress", "__weakref__")
 
     def __init__(self, size=0, blocks=()):
         self.size = size
@@ -58,6 +58,7 @@ class FileData:
         self.clean.set()
         self.failed = None              # errno once a flush failed for good: reads give EIO
         self.prefetched_upto = 0
+        self.progress = trio.Event()       # set (and replaced) whenever one of its dirty blocks retires
 
     def keys(self):
         return [b if isinstance(b, bytes) else None for b in self.blocks]
@@ -93,7 +94,7 @@ class BlockCache:
         self.dirty_limit = max(min(dirty_limit, self.cache_size), 2 * self.bs)
         self.read_depth = read_depth
         self.flush_workers = flush_workers
-        self._clean = collections.OrderedDict()     # key -> bytes, LRU order
+        self._clean = collections.OrderedDict()     # key -> read-only memoryview, LRU order
         self._clean_bytes = 0
         self._reading = {}                          # key -> Event, device reads in flight
         self._read_slots = trio.Semaphore(read_depth)
@@ -103,7 +104,12 @@ class BlockCache:
         self._ready = collections.deque()           # (FileData, Dirty) waiting for a worker
         self._ready_event = trio.Event()
         self._nursery = None
-        self._spare = []                            # recycled block buffers
+        self._read_seq = 0                          # numbers read() calls, for buffer reuse
+        self._active_reads = {}                     # read() calls in progress (insertion ordered)
+        self._quarantine = collections.deque()      # (read seq at eviction, buffer)
+        self._clean_spare = []
+        self._clean_spare_max = self.cache_size // self.bs
+        self._spare = []                            # recycled dirty block buffers
         self._spare_max = min(self.dirty_limit // self.bs, 256)
         self._zero_block = bytes(self.bs)
         self._s = collections.Counter()
@@ -150,7 +156,7 @@ class BlockCache:
         self._s["inflight"] += 1
         self._s["inflight_max"] = max(self._s["inflight_max"], self._s["inflight"])
         try:
-            data = await self.index.read_block(key)
+            data = await self.index.read_block(key, self._clean_buffer())
         finally:
             self._s["inflight"] -= 1
             del self._reading[key]
@@ -167,10 +173,33 @@ class BlockCache:
         while self._clean_bytes > budget and self._clean:
             _, old = self._clean.popitem(last=False)
             self._clean_bytes -= len(old)
+            self._recycle(old)
 
     def drop_clean(self):
+        for view in self._clean.values():
+            self._recycle(view)
         self._clean.clear()
         self._clean_bytes = 0
+
+    # Clean block buffers are recycled: a fresh 1 MiB mmap per device read cost
+    # 256 page faults and a page zeroing, more kernel time than the read itself.
+    # Views of an evicted buffer may still be in the hands of a read() that is
+    # awaiting another block, so a buffer is reused only once every read() that
+    # was running when it was evicted has returned (pyfuse3 sends the reply
+    # before it awaits anything else).
+
+    def _recycle(self, view):
+        buf = view.obj
+        if isinstance(buf, mmap.mmap) and len(buf) == self.bs:
+            self._quarantine.append((self._read_seq, buf))
+
+    def _clean_buffer(self):
+        oldest_active = min(self._active_reads, default=self._read_seq)
+        while self._quarantine and self._quarantine[0][0] <= oldest_active:
+            buf = self._quarantine.popleft()[1]
+            if len(self._clean_spare) < self._clean_spare_max:
+                self._clean_spare.append(buf)
+        return self._clean_spare.pop() if self._clean_spare else None
 
     async def read(self, fd, off, size):
         if fd.failed:
@@ -181,6 +210,16 @@ class BlockCache:
         bs = self.bs
         first, last = off // bs, (end - 1) // bs
         self.prefetch(fd, first)
+        seq = self._read_seq
+        self._read_seq += 1
+        self._active_reads[seq] = None
+        try:
+            return await self._read_blocks(fd, off, end, first, last)
+        finally:
+            del self._active_reads[seq]
+
+    async def _read_blocks(self, fd, off, end, first, last):
+        bs = self.bs
         parts = []
         for idx in range(first, last + 1):
             a = max(off, idx * bs) - idx * bs
@@ -191,12 +230,12 @@ class BlockCache:
             elif isinstance(entry, Dirty):
                 parts.append(bytes(entry.buf[a:b]))
             else:
-                data = await self.get(entry)
-                if a == 0 and b == len(data):
-                    parts.append(data)
+                data = await self.get(entry)         # a read-only view, replied from without a copy
+                if b <= len(data):
+                    parts.append(data if a == 0 and b == len(data) else data[a:b])
                 else:
                     # A stored block shorter than the range (the file grew by truncate) reads zeros beyond it.
-                    parts.append(data[a:b].ljust(b - a, b"\0"))
+                    parts.append(bytes(data[a:b]).ljust(b - a, b"\0"))
         self._s["bytes_read"] += end - off
         self._s["read_requests"] += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -368,6 +407,8 @@ class BlockCache:
         d.buf = None
         del self._dirty[id(d)]
         fd.dirty_count -= 1
+        fd.progress.set()
+        fd.progress = trio.Event()
         if fd.dirty_count == 0:
             fd.clean.set()
         self._unadmit()
@@ -431,7 +472,7 @@ class BlockCache:
             for entry in fd.blocks:
                 if isinstance(entry, Dirty):
                     self._enqueue(fd, entry)
-            await fd.clean.wait()
+            await fd.progress.wait()
         if fd.failed:
             raise KvfsError("flushing the file to the device failed", fd.failed)
 

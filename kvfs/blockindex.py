@@ -178,18 +178,22 @@ class BlockIndex:
         self._data_bytes_written += len(data)
         return key
 
-    def _read_verified(self, key, off, length):
-        data = self.device.pread_sync(off, length)
+    def _read_verified(self, key, off, length, buf=None):
+        data = self.device.read_block_sync(off, length, buf)
         if self.key_of(data) != key:
             self._corrupt_reads += 1
             log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
             raise CorruptBlock(f"block {key.hex()} at offset {off} is corrupt")
         return data
 
-    async def read_block(self, key):
-        """Read and verify one block; a mismatch raises CorruptBlock (EIO), never bad bytes."""
+    async def read_block(self, key, buf=None):
+        """Read and verify one block; a mismatch raises CorruptBlock (EIO), never bad bytes.
+
+        Returns a read-only memoryview (see Device.read_block_sync), filled
+        into ``buf`` if one is given.
+        """
         e = self.entries[key]
-        return await self.device.run(self._read_verified, key, e.off, e.length)
+        return await self.device.run(self._read_verified, key, e.off, e.length, buf)
 
     def statistics(self):
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,

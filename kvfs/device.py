@@ -129,7 +129,7 @@ class Device:
         try:
             done = 0
             while done < span:
-                n = os.preadv(self.fd, [memoryview(buf)[done:]], start + done)
+                n = os.preadv(self.fd, [memoryview(buf)[done:span]], start + done)
                 if n == 0:
                     break
                 done += n
@@ -144,6 +144,44 @@ class Device:
             self._bytes_read += span
             self._reads += 1
         return buf[off - start:off - start + length]
+
+    def read_block_sync(self, off, length, buf=None):
+        """Read ``length`` bytes at a sector-aligned ``off`` into a page-aligned buffer.
+
+        ``buf`` is a recycled mmap to fill (a new one is made if it is missing or
+        too small). Returns a read-only memoryview of exactly ``length`` bytes.
+        The device fills the buffer directly (O_DIRECT DMA); nobody copies it
+        afterwards: the cache keeps the view and FUSE replies are sent from it.
+        """
+        if off % SECTOR:
+            raise DeviceError(f"unaligned block read at {off}")
+        if off < 0 or off + length > self.size:
+            raise DeviceError(f"read [{off}, +{length}) is outside the device ({self.size} bytes)")
+        span = align_up(max(length, 1))
+        if buf is None or len(buf) < span:
+            buf = mmap.mmap(-1, span)
+        with self._lock:
+            self._inflight += 1
+            self._inflight_max = max(self._inflight_max, self._inflight)
+        try:
+            done = 0
+            with memoryview(buf) as view:
+                while done < span:
+                    n = os.preadv(self.fd, [view[done:span]], off + done)
+                    if n == 0:
+                        break
+                    done += n
+        except OSError as exc:
+            raise DeviceError(f"device read at {off} failed: {exc.strerror}", exc.errno) from None
+        finally:
+            with self._lock:
+                self._inflight -= 1
+        if done < length:
+            raise DeviceError(f"short device read at {off}: got {done} of {length} bytes")
+        with self._lock:
+            self._bytes_read += span
+            self._reads += 1
+        return memoryview(buf).toreadonly()[:length]
 
     def pwrite_sync(self, off, data, source=None, *, delay=True):
         """Write ``data`` at a sector-aligned ``off``, zero-padded to whole sectors.

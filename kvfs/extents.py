@@ -245,10 +245,6 @@ class ExtentStore:
     def pending_free_bytes(self):
         return sum(n for _, _, n in self._pending_frees)
 
-    def snapshot(self):
-        """The store's part of a checkpoint: the free map, counting pending frees as used."""
-        return {"free": self.allocator.extents()}
-
     # -- journal ------------------------------------------------------------
     def set_snapshot_source(self, fn):
         """``fn()`` returns the whole filesystem state (a msgpack-able dict) for checkpoints."""
@@ -268,6 +264,7 @@ class ExtentStore:
         target = self._appended
         async with self._commit_lock:
             if self._durable >= target:
+                await self._made_durable(self._durable)     # frees that need no further record
                 return
             records, upto = self._pending, self._appended
             payload = msgpack.packb(records)

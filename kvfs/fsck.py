@@ -26,7 +26,7 @@ from . import format as fmt
 from .blockcache import BlockCache
 from .blockindex import BlockIndex, _aligned
 from .device import Device
-from .errors import CorruptBlock, DeviceError, FormatError, KvfsError
+from .errors import CorruptBlock, DeviceError, FormatError
 from .extents import Allocator, ExtentStore
 from .namespace import ROOT_INO, Namespace
 
@@ -134,7 +134,7 @@ def _check_tree(ns, report, repair):
         if inode.is_dir:
             for _, (child, _) in inode.entries.by_name.items():
                 links[child] += 1
-                if ns.inodes[child].is_dir:
+                if child in ns.inodes and ns.inodes[child].is_dir:
                     subdirs[inode.ino] += 1
                     if ns.inodes[child].parent != inode.ino:
                         report.problem(f"directory {child} has parent {ns.inodes[child].parent}, "

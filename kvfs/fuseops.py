@@ -9,13 +9,12 @@ import errno
 import functools
 import json
 import logging
-import os
 import stat
 
 import pyfuse3
 
 from .errors import FsError, KvfsError
-from .namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO, VIEW_BIT
+from .namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO
 
 log = logging.getLogger(__name__)
 

@@ -189,7 +189,11 @@ class Namespace:
             self.apply(record)
         for inode in self.inodes.values():
             if inode.is_file:
-                inode.data = FileData(inode.size_committed, inode.committed)
+                present = [k if k is None or k in self.index.entries else None for k in inode.committed]
+                inode.data = FileData(inode.size_committed, present)
+                if present != inode.committed:
+                    log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
+                    inode.data.failed = errno.EIO
                 self.cache.attach(inode.data)
 
     def _load_inode(self, row):
@@ -503,6 +507,8 @@ class Namespace:
         if META_NAME in (old_name, new_name) and ROOT_INO in (old_parent, new_parent):
             raise FsError(errno.EPERM, ".kvfs is reserved")
         src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
+        if src_dir.ino not in self.inodes or dst_dir.ino not in self.inodes:
+            raise FsError(errno.ENOENT, "directory was removed")
         child = src_dir.entries.get(old_name)
         if child is None:
             raise FsError(errno.ENOENT)
@@ -654,9 +660,16 @@ class Namespace:
 
     def _record_content(self, inode):
         fd = inode.data
-        blocks = [None if k is None else [k, *self.index.extent(k)] for k in fd.keys()]
-        self._emit(["ct", inode.ino, fd.size, inode.mtime, inode.ctime, blocks])
+        keys = fd.keys()
+        while keys and keys[-1] is None:
+            keys.pop()                     # trailing holes are implied by the size
         inode.content_dirty = False
+        if fd.size == inode.size_committed and keys == inode.committed:
+            # Rewritten with identical bytes (LMCache after a restart): nothing
+            # changed on the device, so nothing is written, not even a record.
+            return
+        blocks = [None if k is None else [k, *self.index.extent(k)] for k in keys]
+        self._emit(["ct", inode.ino, fd.size, inode.mtime, inode.ctime, blocks])
 
     # -- directories --------------------------------------------------------
     def list_dir(self, ino, after):
