@@ -1,0 +1,174 @@
+"""Issue 3, functional: write-back cache, back-pressure, prefetch, page-cache reads.
+
+Nothing here is timed: the statistics show what happened. A deliberately slow
+device (mount option write_delay_ms) makes the write-back visible.
+"""
+import hashlib
+import os
+import signal
+import threading
+import time
+
+MiB = 1 << 20
+
+
+def write(path, data):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        assert os.write(fd, data) == len(data)
+    finally:
+        os.close(fd)
+
+
+def drop_kernel_cache():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def test_close_returns_while_dirty_and_dirty_reads_are_right(kvfs_factory):
+    fs = kvfs_factory(mount_options=["write_delay_ms=300"])
+    fs.mkfs()
+    fs.mount()
+    data = os.urandom(8 * MiB + 123)
+    write(fs.mnt / "chunk", data)                  # returns although the device is slow
+    stats = fs.stats()
+    assert stats["dirty_bytes"] > 0, stats
+    assert stats["flush_backlog_bytes"] > 0
+    assert (fs.mnt / "chunk").read_bytes() == data   # served from the dirty buffers
+    fs.flush()
+    stats = fs.stats()
+    assert stats["dirty_bytes"] == 0 and stats["flush_backlog_bytes"] == 0
+    assert stats["data_bytes_written"] >= len(data)
+    fs.remount()
+    assert (fs.mnt / "chunk").read_bytes() == data
+
+
+def test_fsync_then_kill9_keeps_data(kvfs_factory):
+    fs = kvfs_factory(mount_options=["write_delay_ms=50", "commit_interval=3600"])
+    fs.mkfs()
+    fs.mount()
+    data = os.urandom(5 * MiB + 7)
+    fd = os.open(fs.mnt / "durable", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, data)
+    os.fsync(fd)
+    os.close(fd)
+    write(fs.mnt / "not-fsynced", os.urandom(3 * MiB))   # may or may not survive; never torn
+    fs.kill9()
+    fs.mount()
+    assert (fs.mnt / "durable").read_bytes() == data
+    leftover = fs.mnt / "not-fsynced"
+    if leftover.exists():
+        assert leftover.stat().st_size in (0, 3 * MiB)
+
+
+def test_back_pressure_bounds_dirty_bytes(kvfs_factory):
+    fs = kvfs_factory(mount_options=["write_delay_ms=20", "dirty_limit=8M", "cache_size=16M",
+                                     "flush_workers=2"])
+    fs.mkfs()
+    fs.mount()
+    digests = {}
+
+    def writer(i):
+        data = os.urandom(16 * MiB)
+        digests[i] = hashlib.sha256(data).hexdigest()
+        write(fs.mnt / f"w{i}", data)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    fs.flush()
+    stats = fs.stats()
+    assert stats["dirty_limit"] == 8 * MiB
+    assert 0 < stats["dirty_bytes_max"] <= stats["dirty_limit"], stats
+    assert stats["writers_throttled"] > 0          # the writers really were faster than the device
+    for i, digest in digests.items():
+        assert hashlib.sha256((fs.mnt / f"w{i}").read_bytes()).hexdigest() == digest
+
+
+def test_cold_read_is_prefetched_in_parallel(kvfs):
+    data = os.urandom(32 * MiB)
+    write(kvfs.mnt / "chunk.pt", data)
+    kvfs.remount()                                  # fresh statistics, empty caches
+    drop_kernel_cache()
+    with open(kvfs.mnt / "chunk.pt", "rb", buffering=0) as f:
+        assert f.read() == data
+    stats = kvfs.stats()
+    assert stats["prefetch_inflight_max"] >= 8, stats
+    assert stats["device_reads_inflight_max"] >= 8
+    assert stats["cache_misses"] >= 32             # every block came from the device once
+    assert stats["cache_bytes"] >= 32 * MiB
+
+
+def test_concurrent_readers_share_one_prefetch(kvfs):
+    data = os.urandom(32 * MiB + 5)
+    write(kvfs.mnt / "shared", data)
+    kvfs.remount()
+    drop_kernel_cache()
+    results = []
+
+    def reader():
+        fd = os.open(kvfs.mnt / "shared", os.O_RDONLY | os.O_DIRECT)
+        try:
+            import mmap
+            buf = mmap.mmap(-1, 33 * MiB)
+            n = os.readv(fd, [buf])
+            results.append(hashlib.sha256(buf[:n]).hexdigest())
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=reader) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [hashlib.sha256(data).hexdigest()] * 6
+    stats = kvfs.stats()
+    assert stats["cache_misses"] == 33              # each block read from the device exactly once
+
+
+def test_hot_reads_skip_the_daemon_and_drop_caches_empties(kvfs):
+    data = os.urandom(16 * MiB)
+    write(kvfs.mnt / "hot", data)
+    kvfs.flush()
+    assert (kvfs.mnt / "hot").read_bytes() == data      # first read: through the daemon
+    before = kvfs.stats()
+    for _ in range(3):
+        assert (kvfs.mnt / "hot").read_bytes() == data  # kernel page cache (keep_cache)
+    after = kvfs.stats()
+    assert after["read_requests"] == before["read_requests"]
+    assert after["device_bytes_read"] == before["device_bytes_read"]
+    assert after["cache_bytes"] > 0
+    kvfs.admin("drop-caches", kvfs.mnt)
+    assert kvfs.stats()["cache_bytes"] == 0
+    # A changed file is not served from stale pages.
+    new = os.urandom(16 * MiB)
+    write(kvfs.mnt / "hot", new)
+    assert (kvfs.mnt / "hot").read_bytes() == new
+    for key in ("cache_hits", "cache_misses", "read_bytes_per_s", "write_bytes_per_s",
+                "flush_backlog_bytes", "prefetch_inflight_max"):
+        assert key in after
+
+
+def test_sigterm_flushes_before_exit(kvfs_factory):
+    fs = kvfs_factory(mount_options=["write_delay_ms=100", "commit_interval=3600"])
+    fs.mkfs()
+    fs.mount()
+    data = os.urandom(6 * MiB)
+    write(fs.mnt / "pending", data)
+    assert fs.stats()["dirty_bytes"] > 0
+    pid = fs.pid
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ", 1)[1].startswith("Z"):
+                break
+        time.sleep(0.05)
+    assert not fs.mounted
+    fs.pid = None
+    fs.assert_fsck_clean()
+    fs.mount()
+    assert (fs.mnt / "pending").read_bytes() == data
