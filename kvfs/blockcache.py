@@ -262,7 +262,12 @@ class BlockCache:
     async def _prefetch(self, keys):
         async with trio.open_nursery() as nursery:
             for key in dict.fromkeys(keys):
-                await self._read_slots.acquire()
+                # Take free slots without yielding, so a whole chunk's reads are
+                # issued at once and the device sees the full queue depth.
+                try:
+                    self._read_slots.acquire_nowait()
+                except trio.WouldBlock:
+                    await self._read_slots.acquire()
                 nursery.start_soon(self._prefetch_one, key)
 
     async def _prefetch_one(self, key):

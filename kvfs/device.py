@@ -123,27 +123,32 @@ class Device:
         start = off - off % SECTOR
         span = align_up(off + length) - start
         buf = self._buffer(span)
+        self._read_span(buf, start, span, need=off - start + length)
+        return buf[off - start:off - start + length]
+
+    def _read_span(self, buf, start, span, need):
+        """preadv ``span`` bytes at ``start`` into ``buf``; fewer than ``need`` is an error."""
         with self._lock:
             self._inflight += 1
             self._inflight_max = max(self._inflight_max, self._inflight)
         try:
             done = 0
-            while done < span:
-                n = os.preadv(self.fd, [memoryview(buf)[done:span]], start + done)
-                if n == 0:
-                    break
-                done += n
+            with memoryview(buf) as view:
+                while done < span:
+                    n = os.preadv(self.fd, [view[done:span]], start + done)
+                    if n == 0:
+                        break
+                    done += n
         except OSError as exc:
-            raise DeviceError(f"device read at {off} failed: {exc.strerror}", exc.errno) from None
+            raise DeviceError(f"device read at {start} failed: {exc.strerror}", exc.errno) from None
         finally:
             with self._lock:
                 self._inflight -= 1
-        if done < off - start + length:
-            raise DeviceError(f"short device read at {off}: got {done} of {span} bytes")
+        if done < need:
+            raise DeviceError(f"short device read at {start}: got {done} of {need} bytes")
         with self._lock:
             self._bytes_read += span
             self._reads += 1
-        return buf[off - start:off - start + length]
 
     def read_block_sync(self, off, length, buf=None):
         """Read ``length`` bytes at a sector-aligned ``off`` into a page-aligned buffer.
@@ -160,27 +165,7 @@ class Device:
         span = align_up(max(length, 1))
         if buf is None or len(buf) < span:
             buf = mmap.mmap(-1, span)
-        with self._lock:
-            self._inflight += 1
-            self._inflight_max = max(self._inflight_max, self._inflight)
-        try:
-            done = 0
-            with memoryview(buf) as view:
-                while done < span:
-                    n = os.preadv(self.fd, [view[done:span]], off + done)
-                    if n == 0:
-                        break
-                    done += n
-        except OSError as exc:
-            raise DeviceError(f"device read at {off} failed: {exc.strerror}", exc.errno) from None
-        finally:
-            with self._lock:
-                self._inflight -= 1
-        if done < length:
-            raise DeviceError(f"short device read at {off}: got {done} of {length} bytes")
-        with self._lock:
-            self._bytes_read += span
-            self._reads += 1
+        self._read_span(buf, off, span, need=length)
         return memoryview(buf).toreadonly()[:length]
 
     def pwrite_sync(self, off, data, source=None, *, delay=True):

@@ -72,6 +72,21 @@ class KvfsMount:
         subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
         self.pid = None
 
+    def wait_daemon_exit(self, pid, timeout=60):
+        """Wait until the daemon has exited (a zombie awaiting its reaper counts)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(") ", 1)[1].startswith("Z"):
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"daemon {pid} still running after {timeout} s")
+        self.pid = None
+
     def remount(self):
         if self.mounted:
             self.umount()

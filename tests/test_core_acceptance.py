@@ -312,15 +312,8 @@ def test_plain_umount_loses_nothing(kvfs, command):
     data = pattern(11, 3 * MiB + 1)
     write_file(kvfs.mnt / "fsynced", data, fsync=True)
     write_file(kvfs.mnt / "closed", data[::-1])
-    pid = kvfs.pid
     subprocess.run([*command, str(kvfs.mnt)], check=True)
-    deadline = time.monotonic() + 60
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(") ", 1)[1].startswith("Z"):
-                break
-        time.sleep(0.05)
-    kvfs.pid = None
+    kvfs.wait_daemon_exit(kvfs.pid)
     kvfs.assert_fsck_clean()
     kvfs.mount()
     assert (kvfs.mnt / "fsynced").read_bytes() == data
