@@ -22,6 +22,7 @@ import mmap
 
 import trio
 
+from .device import new_buffer
 from .errors import KvfsError
 
 log = logging.getLogger(__name__)
@@ -403,7 +404,7 @@ class BlockCache:
                 buf[:] = self._zero_block
             return buf
         # Page aligned, so the device can write it with O_DIRECT without a copy.
-        return mmap.mmap(-1, self.bs)
+        return new_buffer(self.bs)
 
     def _retire(self, fd, d):
         """``d`` has left ``fd.blocks``: give back its memory and reservation."""
