@@ -113,6 +113,7 @@ def test_dedup_of_eight_tp_ranks(kvfs):
     assert kvfs.stats()["unique_blocks"] == before["unique_blocks"]
 
 
+@pytest.mark.slow
 def test_crash_kill9_keeps_every_fsynced_file(kvfs):
     """Writers create files continuously; kill -9 the daemon 10 times at random moments."""
     mnt = kvfs.mnt

@@ -377,6 +377,7 @@ def in_slices(fn, names, threads=4):
     return sum(run_threads(lambda s: sum(fn(n) for n in s), slices, threads), 0)
 
 
+@pytest.mark.slow
 def test_scale_flat_directory(kvfs, record_property):
     d = kvfs.mnt / "flat"
     d.mkdir()

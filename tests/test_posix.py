@@ -221,6 +221,7 @@ def test_posix_fallocate_fallback_is_cheap(kvfs):
     assert path.read_bytes() == bytes(16 * MiB)
 
 
+@pytest.mark.slow
 def test_large_flat_directory_lists_fast(kvfs):
     d = kvfs.mnt / "flat"
     d.mkdir()
