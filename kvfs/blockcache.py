@@ -49,14 +49,12 @@ class FileData:
     pinned in the index), or a :class:`Dirty` buffer.
     """
 
-    __slots__ = ("size", "blocks", "dirty_count", "clean", "failed", "prefetched_upto", "progress", "__weakref__")
+    __slots__ = ("size", "blocks", "dirty_count", "failed", "prefetched_upto", "progress", "__weakref__")
 
     def __init__(self, size=0, blocks=()):
         self.size = size
         self.blocks = list(blocks)
         self.dirty_count = 0
-        self.clean = trio.Event()
-        self.clean.set()
         self.failed = None              # errno once a flush failed for good: reads give EIO
         self.prefetched_upto = 0
         self.progress = trio.Event()       # set (and replaced) whenever one of its dirty blocks retires
@@ -78,7 +76,6 @@ class CacheStatistics:
     prefetch_inflight: int
     prefetch_inflight_max: int
     blocks_flushed: int
-    flush_dedup_skips: int
     zero_blocks: int
     writers_throttled: int
     bytes_read: int
@@ -341,8 +338,6 @@ class BlockCache:
             if current is not None:
                 self.index.unpin(current)
             self._dirty[id(d)] = (fd, d)
-            if fd.dirty_count == 0:
-                fd.clean = trio.Event()
             fd.dirty_count += 1
             return d
 
@@ -415,8 +410,6 @@ class BlockCache:
         fd.dirty_count -= 1
         fd.progress.set()
         fd.progress = trio.Event()
-        if fd.dirty_count == 0:
-            fd.clean.set()
         self._unadmit()
 
     async def _flush_one(self, fd, d):
@@ -470,7 +463,6 @@ class BlockCache:
             if isinstance(entry, Dirty):
                 fd.blocks[idx] = None
                 self._retire(fd, entry)
-        fd.clean.set()
 
     async def flush_file(self, fd):
         """Return once every block of ``fd`` written so far is stored."""
@@ -534,7 +526,7 @@ class BlockCache:
         backlog = len(self._dirty) * self.bs       # dirty buffers not yet on the device
         return CacheStatistics(self.cache_size, self.dirty_limit, self._clean_bytes, self.dirty_bytes,
                                s["dirty_max"], backlog, s["hits"], s["misses"], s["inflight"],
-                               s["inflight_max"], s["flushed"], self.index.statistics().dedup_hits,
+                               s["inflight_max"], s["flushed"],
                                s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
                                s["read_requests"], s["write_requests"])
 

@@ -8,8 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from kvfs.cli.admin import wait_exited
 
 
 def run_tool(module, *args, check=True, timeout=300, input=None):
@@ -65,25 +66,13 @@ class KvfsMount:
         """Crash the daemon and clean up the dead mount like an operator would."""
         pid = self.pid or self.stats()["pid"]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            # Reap if we are the parent (we are not: the daemon re-parents to init).
-            time.sleep(0.05)
+        wait_exited(pid, 30)        # it re-parents to init, so we cannot reap it ourselves
         subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
         self.pid = None
 
     def wait_daemon_exit(self, pid, timeout=60):
         """Wait until the daemon has exited (a zombie awaiting its reaper counts)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split(") ", 1)[1].startswith("Z"):
-                        break
-            except FileNotFoundError:
-                break
-            time.sleep(0.05)
-        else:
+        if not wait_exited(pid, timeout):
             raise AssertionError(f"daemon {pid} still running after {timeout} s")
         self.pid = None
 

@@ -40,22 +40,38 @@ def send(mountpoint, command):
         raise _not_kvfs(mountpoint, exc) from None
 
 
+def process_exited(pid):
+    """True once ``pid`` has exited, a zombie awaiting its reaper included."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def wait_exited(pid, timeout):
+    """Wait up to ``timeout`` seconds for ``pid`` to exit; return whether it did."""
+    deadline = time.monotonic() + timeout
+    while not process_exited(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def umount(mountpoint, timeout=600):
     """Flush, unmount, and wait until the daemon process has exited."""
     pid = read_stats(mountpoint)["pid"]
     send(mountpoint, "umount")
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not os.path.exists(f"/proc/{pid}") and not os.path.ismount(mountpoint):
+    if wait_exited(pid, timeout):
+        # The daemon unmounts before it exits; give the kernel a moment to agree.
+        while os.path.ismount(mountpoint) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not os.path.ismount(mountpoint):
             return
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ", 1)[1].startswith("Z"):   # exited, awaiting its reaper
-                    if not os.path.ismount(mountpoint):
-                        return
-        except (OSError, IndexError):
-            pass
-        time.sleep(0.05)
     raise KvfsError(f"daemon {pid} did not exit within {timeout} s", errno.ETIMEDOUT)
 
 

@@ -1,4 +1,5 @@
 """mount.kvfs: mount a kvfs device; also the mount(8) helper for ``-t kvfs``."""
+import argparse
 import errno
 import logging
 import os
@@ -53,9 +54,7 @@ def parse_options(text):
                 raise KvfsError("read-only mounts are not supported (option 'ro')", errno.EINVAL)
             else:
                 raise KvfsError(f"unknown mount option {name!r}", errno.EINVAL)
-        except (ValueError, TypeError, Exception) as exc:
-            if isinstance(exc, KvfsError):
-                raise
+        except (ValueError, argparse.ArgumentTypeError):
             raise KvfsError(f"bad value for mount option {name!r}: {value!r}", errno.EINVAL) from None
     if not dirty_given:
         opts.dirty_limit = opts.cache_size // 2
@@ -147,7 +146,7 @@ def main(argv):
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
                    help="mount options (see below)")
-    p.add_argument("-n", "-s", "-v", dest="ignored", action="count", help=argparse_suppress())
+    p.add_argument("-n", "-s", "-v", dest="ignored", action="count", help=argparse.SUPPRESS)
     p.add_argument("paths", nargs="+", metavar="[DEVICE] MOUNTPOINT")
     args = p.parse_intermixed_args(argv)
     if len(args.paths) > 2:
@@ -170,11 +169,6 @@ def main(argv):
         log_path = os.path.join(LOG_DIR, "kvfs.log")
     setup_logging(path=log_path, tag=tag)
     return daemonize(lambda ready: run_daemon(device, mountpoint, options, ready))
-
-
-def argparse_suppress():
-    import argparse
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
