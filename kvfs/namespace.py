@@ -575,12 +575,20 @@ class Namespace:
             inode.writers += 1
         if flags & os.O_TRUNC and writable:
             self._truncate_now(inode)
-        if writable or inode.writers or inode.data.dirty_count:
-            # Content is changing: bypass the page cache so no reader sees stale pages.
+        if (flags & os.O_ACCMODE) == os.O_WRONLY:
+            # A write-only descriptor cannot be mmapped, so it bypasses the page
+            # cache: the engines' one big write() goes to the daemon as 1 MiB
+            # requests without a copy into kernel pages. (The kernel invalidates
+            # cached pages of the range on each direct_io write.)
             return fh, True, False
-        keep = inode.cached_version == inode.content_version
+        # Everything else uses the page cache, so MAP_SHARED mmap works on every
+        # file (numpy.memmap, torch.load(mmap=True), safetensors). Writes through
+        # it keep the kernel's pages current; pages are kept across opens only
+        # while nobody has written since they were cached.
+        keep = not writable and not inode.writers and inode.cached_version == inode.content_version
         inode.cached_version = inode.content_version
-        self.cache.prefetch(inode.data)
+        if not writable:
+            self.cache.prefetch(inode.data)
         return fh, False, keep
 
     def _truncate_now(self, inode):
