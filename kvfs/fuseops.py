@@ -24,6 +24,7 @@ STATS_XATTR = b"user.kvfs.stats"
 CONTROL_XATTR = b"user.kvfs.control"
 ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
+DOT_ENTRIES = 2             # "." and ".." lead every listing
 STATFS_BSIZE = 4096          # LMCache uses O_DIRECT only if f_bsize divides its chunk size
 
 
@@ -197,14 +198,21 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def readdir(self, fh, start_id, token):
+        # Offsets 1 and 2 are "." and ".."; the namespace's cookies follow,
+        # shifted by DOT_ENTRIES. The kernel takes no lookup reference for the
+        # two dot entries, so they are not counted.
         ino, snapshot = self._dir_handles[fh]
-        entries = snapshot[start_id:] if snapshot is not None else self.ns.list_dir(ino, start_id)
+        for offset, name, target in ((1, b".", ino), (2, b"..", self.ns.parent_of(ino))):
+            if start_id < offset and not pyfuse3.readdir_reply(token, name, self._entry(target), offset):
+                return
+        after = max(start_id - DOT_ENTRIES, 0)
+        entries = snapshot[after:] if snapshot is not None else self.ns.list_dir(ino, after)
         for name, child, cookie in entries:
             try:
                 attrs = self._entry(child)
             except KvfsError:
                 continue                       # removed while we were listing
-            if not pyfuse3.readdir_reply(token, name, attrs, cookie):
+            if not pyfuse3.readdir_reply(token, name, attrs, cookie + DOT_ENTRIES):
                 break
             self.ns.count_lookup(child)
 

@@ -19,6 +19,13 @@ A file's content record is written only when all its blocks are on the device
 (after close, fsync or ``kvfs-admin flush``), so after a crash a file shows
 either an older complete content or the new complete content, never a mix.
 
+A regular file is *provisional* from its "mk" record until its first "ct"
+record: another file's fsync may make the create durable while this file is
+still being written, and a crash must not then show it empty. Load drops every
+file that is still provisional once the journal is replayed, so after a crash
+such a file is absent. The checkpoint lists provisional inodes under
+``"provisional"``.
+
 Invariants (checked by fsck):
 
 * every directory entry names an inode in ``inodes``; every inode but the root
@@ -51,6 +58,9 @@ VIEW_BIT = 1 << 62        # inode number of a file seen through /.kvfs/by-hash
 META_NAME = b".kvfs"
 NAME_MAX = 255
 KEY_XATTR = b"user.kvfs.key"
+# FIFOs, sockets and device nodes are metadata-only inodes, as on any Linux filesystem.
+SUPPORTED_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
+                   stat.S_IFCHR, stat.S_IFBLK)
 
 
 class DirEntries:
@@ -106,7 +116,7 @@ class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
                  "parent", "entries", "target", "data", "committed", "size_committed",
                  "content_key", "content_version", "cached_version", "content_dirty",
-                 "lookups", "opens", "writers", "sealing")
+                 "lookups", "opens", "writers", "sealing", "provisional")
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
@@ -124,6 +134,7 @@ class Inode:
         self.content_dirty = False         # live content differs from the durable record
         self.lookups = self.opens = self.writers = 0
         self.sealing = False
+        self.provisional = False           # created, no content record yet (see module doc)
 
     @property
     def is_dir(self):
@@ -181,12 +192,15 @@ class Namespace:
         self.next_ino = state.get("next_ino", FIRST_INO)
         for row in state.get("inodes", ()):
             self._load_inode(row)
+        for ino in state.get("provisional", ()):
+            self.inodes[ino].provisional = True
         if ROOT_INO not in self.inodes:     # a fresh filesystem: mkfs writes an empty state
             root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now=self.now())
             root.parent = ROOT_INO
             self.inodes[ROOT_INO] = root
         for record in records:
             self.apply(record)
+        self._drop_provisional()
         for inode in self.inodes.values():
             if inode.is_file:
                 present = [k if k is None or k in self.index.entries else None for k in inode.committed]
@@ -195,6 +209,18 @@ class Namespace:
                     log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                     inode.data.failed = errno.EIO
                 self.cache.attach(inode.data)
+
+    def _drop_provisional(self):
+        """Remove files whose content was never recorded: they were in flight at a crash."""
+        doomed = {ino for ino, inode in self.inodes.items() if inode.provisional}
+        if not doomed:
+            return
+        for directory in [i for i in self.inodes.values() if i.is_dir]:
+            for name in [n for n, (child, _) in directory.entries.by_name.items() if child in doomed]:
+                directory.entries.remove(name)
+        for ino in doomed:
+            self._forget_content_key(self.inodes.pop(ino))
+        log.info("dropped %d file(s) created but never closed or fsynced before the crash", len(doomed))
 
     def _load_inode(self, row):
         ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload = row
@@ -223,7 +249,8 @@ class Namespace:
             rows.append((inode.ino, inode.mode, inode.uid, inode.gid, inode.nlink, inode.rdev,
                          inode.atime, inode.mtime, inode.ctime, payload))
         state = self.index.snapshot()
-        state.update(next_ino=self.next_ino, inodes=rows)
+        state.update(next_ino=self.next_ino, inodes=rows,
+                     provisional=[i.ino for i in self.inodes.values() if i.provisional])
         return state
 
     # -- record application (shared by live operations and replay) ----------
@@ -249,6 +276,7 @@ class Namespace:
             self._link(self.inodes[parent], name, inode, ns)
             if inode.is_file:
                 self._set_committed(inode, 0, [])
+                inode.provisional = True
         elif op == "ln":
             _, ino, parent, name, ns = rec
             inode = self.inodes[ino]
@@ -283,6 +311,7 @@ class Namespace:
                     self.index.drop_ref(key)
             self._set_committed(inode, size, [b[0] if b is not None else None for b in blocks])
             inode.mtime, inode.ctime = mtime, ctime
+            inode.provisional = False
         else:
             raise KvfsError(f"unknown journal record {op!r}", errno.EUCLEAN)
 
@@ -441,14 +470,17 @@ class Namespace:
         """mknod / mkdir / symlink / create: returns the new inode number (one lookup)."""
         self._check_writable_dir(parent)
         self._new_entry_checks(parent, name)
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-            raise FsError(errno.EOPNOTSUPP, "kvfs stores regular files, directories and symlinks only")
+        if stat.S_IFMT(mode) not in SUPPORTED_TYPES:
+            raise FsError(errno.EINVAL, f"unknown file type {stat.S_IFMT(mode):#o}")
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
         ino = self.next_ino
         self._emit(["mk", parent, name, ino, mode, uid, gid, rdev, self.now(), target])
         inode = self.inodes[ino]
         inode.lookups += 1
         if inode.is_file:
             self.cache.attach(inode.data)
+            inode.content_dirty = True         # provisional until its first content record
         return ino
 
     def link(self, ino, parent, name):
@@ -663,6 +695,10 @@ class Namespace:
             if inode.writers and not force:
                 return
             await self.cache.flush_file(inode.data)
+            if inode.writers and not force:
+                # Reopened for writing while we flushed: the content now holds
+                # writes that no close or fsync has finished. Its last close seals it.
+                return
             if inode.data.dirty_count == 0 and inode.ino in self.inodes and inode.content_dirty:
                 self._record_content(inode)
 
@@ -672,7 +708,7 @@ class Namespace:
         while keys and keys[-1] is None:
             keys.pop()                     # trailing holes are implied by the size
         inode.content_dirty = False
-        if fd.size == inode.size_committed and keys == inode.committed:
+        if fd.size == inode.size_committed and keys == inode.committed and not inode.provisional:
             # Rewritten with identical bytes (LMCache after a restart): nothing
             # changed on the device, so nothing is written, not even a record.
             return
@@ -695,6 +731,12 @@ class Namespace:
         if ino == ROOT_INO and after < 1:
             yield META_NAME, META_DIR_INO, 1
         yield from directory.entries.items_after(max(after, 1))
+
+    def parent_of(self, ino):
+        """The inode number ".." names in directory ``ino``."""
+        if ino in (META_DIR_INO, BY_HASH_INO):
+            return ROOT_INO if ino == META_DIR_INO else META_DIR_INO
+        return self._dir(ino).parent
 
     def count_lookup(self, ino):
         if ino >= FIRST_INO:
