@@ -500,6 +500,8 @@ class BlockCache:
             self._drop_entry(fd, entry)
         del fd.blocks[keep:]
         fd.size = size
+        if size == 0:
+            fd.failed = None                 # nothing of the lost content remains
         fd.prefetched_upto = min(fd.prefetched_upto, keep)
 
     def _drop_entry(self, fd, entry):
@@ -509,11 +511,16 @@ class BlockCache:
             self.index.unpin(entry)
 
     def release(self, fd):
-        """The file is gone: drop its dirty buffers and unpin its blocks."""
+        """The file is gone or emptied: drop its dirty buffers and unpin its blocks.
+
+        An emptied file (O_TRUNC) has lost nothing, so a failed flush of its
+        earlier content no longer makes it unreadable.
+        """
         for entry in fd.blocks:
             self._drop_entry(fd, entry)
         fd.blocks = []
         fd.size = 0
+        fd.failed = None
 
     def attach(self, fd):
         """Pin the stored blocks of a FileData built from durable state."""

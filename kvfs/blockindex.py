@@ -92,6 +92,9 @@ class BlockIndex:
             free.free(off, n)
         return {"blocks": blocks, "free": free.extents()}
 
+    def block_count(self):
+        return len(self.entries)
+
     def extent(self, key):
         e = self.entries[key]
         return e.off, e.length
@@ -128,8 +131,18 @@ class BlockIndex:
             self.store.free(e.off, e.length)
 
     # -- space --------------------------------------------------------------
+    def capacity_bytes(self):
+        return self.store.sb.data_len
+
     def available_bytes(self):
-        return self.store.allocator.free_bytes - self.reserved_bytes
+        """Bytes that new blocks can still be given: whole free block slots, less reservations.
+
+        Counted in slots rather than free bytes because a block needs one
+        contiguous extent (see Allocator): a reservation then guarantees the
+        allocation, so a write that returned success never fails its flush
+        for want of space.
+        """
+        return self.store.allocator.slots * self.block_size - self.reserved_bytes
 
     async def reserve(self, nbytes):
         """Promise space to a dirty block, so the writer gets ENOSPC, not a lost flush."""

@@ -122,6 +122,8 @@ class Filesystem:
             "unique_blocks": idx.unique_blocks,
             "dedup_ratio": round(ns.logical_bytes / data_used, 4) if data_used else 1.0,
             "files": ns.files,
+            "metadata_bytes": ns.metadata_bytes,
+            "metadata_capacity": ns.metadata_capacity,
             "directories": ns.directories,
             "dirty_bytes": cache.dirty_bytes,
             "dirty_limit": cache.dirty_limit,
@@ -194,7 +196,10 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("signal %d: flushing and unmounting", signum)
-                await self.fs.ns.flush_all()
+                try:
+                    await self.fs.ns.flush_all()
+                except KvfsError as exc:
+                    log.error("flush before stopping failed: %s", exc)
                 await self._stop()
 
     async def serve(self, ready=lambda: None):
@@ -213,14 +218,24 @@ class Daemon:
                 await nursery.start(self.fs.ns.run, self.options.commit_interval)
                 nursery.start_soon(self._watch_signals)
                 if self.fs.replayed.get("records"):
-                    await self.fs.store.checkpoint()       # fold the replayed journal away
+                    try:
+                        await self.fs.store.checkpoint()   # fold the replayed journal away
+                    except KvfsError as exc:
+                        # The journal still holds everything: serve on, and
+                        # fold it once deletions have made room.
+                        log.error("could not checkpoint after replay, serving from the journal: %s", exc)
                 nursery.start_soon(self._after_mount, ready)
                 await pyfuse3.main(min_tasks=4, max_tasks=self.options.max_tasks)
                 pyfuse3.close(unmount=True)
                 unmounted = True
                 await self.fs.ns.flush_all()
-                await self.fs.store.checkpoint()
-                nursery.cancel_scope.cancel()
+                try:
+                    await self.fs.store.checkpoint()
+                except KvfsError as exc:
+                    log.error("final checkpoint failed; the journal holds what was committed: %s", exc)
+                    raise KvfsError(f"unmounted, but the final checkpoint failed: {exc}", exc.errno) from None
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             if not unmounted:
                 pyfuse3.close(unmount=True)

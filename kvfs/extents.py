@@ -34,15 +34,28 @@ class Allocator:
     Offsets and lengths are bytes, always multiples of SECTOR. Allocation is
     next-fit from a rotating cursor, which keeps equal-sized KV blocks packed in
     write order and makes the common case O(log n).
+
+    A block must lie in one contiguous extent, so free bytes alone do not say
+    whether a block fits: a region fragmented into 512 KiB holes has space but
+    no room for a 1 MiB block. ``slots`` counts the whole ``slot``-sized pieces
+    the free extents hold (sum of ``len // slot``). Invariant, relied on by the
+    block index's reservations: an allocation of at most ``slot`` bytes lowers
+    ``slots`` by at most one, so ``k <= slots`` reserved blocks can always be
+    allocated. Allocations smaller than a slot are placed, where possible, in
+    the spare tail of an extent, so they cost no slot.
     """
 
-    def __init__(self, start, length, free_extents=None):
+    SMALL_FIT_SCAN = 64          # extents examined for a slot-free home of a small allocation
+
+    def __init__(self, start, length, free_extents=None, *, slot=fmt.SECTOR):
         self.start = start
         self.end = start + length
+        self.slot = slot
         self._starts = []
         self._len = {}
         self._cursor = start
         self.free_bytes = 0
+        self.slots = 0
         for off, n in (free_extents if free_extents is not None else [(start, length)]):
             self.free(off, n)
 
@@ -53,6 +66,14 @@ class Allocator:
         nbytes = fmt.align_up(nbytes)
         count = len(self._starts)
         first = bisect.bisect_left(self._starts, self._cursor)
+        if nbytes < self.slot:
+            for i in range(min(count, self.SMALL_FIT_SCAN)):
+                start = self._starts[(first + i) % count]
+                if self._len[start] % self.slot >= nbytes:
+                    # From the extent's end: its whole slots stay whole.
+                    off = start + self._len[start] - nbytes
+                    self._take(start, off, nbytes)
+                    return off
         for i in range(count):
             start = self._starts[(first + i) % count]
             if self._len[start] >= nbytes:
@@ -70,9 +91,7 @@ class Allocator:
         self._take(self._starts[i], off, nbytes)
 
     def _take(self, ext_start, off, nbytes):
-        ext_len = self._len.pop(ext_start)
-        i = bisect.bisect_left(self._starts, ext_start)
-        del self._starts[i]
+        ext_len = self._remove(ext_start)
         head = off - ext_start
         tail = ext_start + ext_len - (off + nbytes)
         if head:
@@ -84,6 +103,14 @@ class Allocator:
     def _insert(self, off, nbytes):
         bisect.insort(self._starts, off)
         self._len[off] = nbytes
+        self.slots += nbytes // self.slot
+
+    def _remove(self, off):
+        """Take the free extent starting at ``off`` out of the map; return its length."""
+        nbytes = self._len.pop(off)
+        del self._starts[bisect.bisect_left(self._starts, off)]
+        self.slots -= nbytes // self.slot
+        return nbytes
 
     def free(self, off, nbytes):
         nbytes = fmt.align_up(nbytes)
@@ -97,13 +124,11 @@ class Allocator:
         self.free_bytes += nbytes
         # Coalesce with the following and the preceding free extent.
         if i < len(self._starts) and self._starts[i] == off + nbytes:
-            nbytes += self._len.pop(self._starts[i])
-            del self._starts[i]
+            nbytes += self._remove(self._starts[i])
         if i > 0 and self._starts[i - 1] + self._len[self._starts[i - 1]] == off:
-            self._len[self._starts[i - 1]] += nbytes
-            return
-        self._starts.insert(i, off)
-        self._len[off] = nbytes
+            prev = self._starts[i - 1]
+            off, nbytes = prev, self._remove(prev) + nbytes
+        self._insert(off, nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +204,8 @@ class ExtentStore:
             raise FormatError(f"checkpoint payload does not decode: {exc}") from None
         free = self.checkpoint_state.get("free")
         self.allocator = Allocator(self.sb.data_off, self.sb.data_len,
-                                   [tuple(e) for e in free] if free is not None else None)
+                                   [tuple(e) for e in free] if free is not None else None,
+                                   slot=self.sb.block_size)
 
     def _load_journal(self):
         """Collect records of the committed journal prefix; stop at the first bad frame."""
@@ -254,6 +280,10 @@ class ExtentStore:
         """Queue a record; it is durable once a later :meth:`commit` returns."""
         self._pending.append(record)
         self._appended += 1
+
+    def checkpoint_capacity(self):
+        """Bytes of state one checkpoint slot holds."""
+        return self.sb.checkpoint_len - fmt.SECTOR
 
     @property
     def journal_fill(self):

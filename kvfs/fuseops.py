@@ -14,7 +14,7 @@ import stat
 import pyfuse3
 
 from .errors import FsError, KvfsError
-from .namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO
+from .namespace import BY_HASH_INO, KEY_XATTR, NAME_MAX, ROOT_INO
 
 log = logging.getLogger(__name__)
 
@@ -226,14 +226,14 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def statfs(self, ctx):
-        index = self.ns.index
+        space = self.ns.statfs()
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = STATFS_BSIZE
-        s.f_blocks = index.store.sb.data_len // STATFS_BSIZE
-        s.f_bfree = s.f_bavail = max(0, index.available_bytes()) // STATFS_BSIZE
-        s.f_files = 1 << 32
-        s.f_ffree = s.f_favail = (1 << 32) - len(self.ns.inodes)
-        s.f_namemax = 255
+        s.f_blocks = space.capacity_bytes // STATFS_BSIZE
+        s.f_bfree = s.f_bavail = space.available_bytes // STATFS_BSIZE
+        s.f_files = space.inodes
+        s.f_ffree = s.f_favail = space.free_inodes
+        s.f_namemax = NAME_MAX
         return s
 
     # -- extended attributes: content keys and the admin channel -------------

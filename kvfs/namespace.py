@@ -58,6 +58,19 @@ VIEW_BIT = 1 << 62        # inode number of a file seen through /.kvfs/by-hash
 META_NAME = b".kvfs"
 NAME_MAX = 255
 KEY_XATTR = b"user.kvfs.key"
+# Metadata space. Everything durable must fit one checkpoint slot, so every
+# operation that adds metadata is charged against it first and refused with
+# ENOSPC when it would not fit; a checkpoint that does not fit would otherwise
+# leave the journal unable to fold. The costs are upper bounds of each item's
+# msgpack size in the checkpoint (see snapshot()): an inode row without its
+# payload, a directory entry without its name, a key in a file's block list,
+# and a block-index entry together with the free extent it can split off.
+INODE_ROW_COST = 96
+DIR_ENTRY_COST = 16
+FILE_KEY_COST = 18
+INDEX_BLOCK_COST = 57
+CHECKPOINT_MARGIN = 1 / 16       # headroom for the estimate and for writers racing each other
+TYPICAL_NAME = 40                # for statfs's inode count: a LMCache chunk name is ~60 bytes
 # FIFOs, sockets and device nodes are metadata-only inodes, as on any Linux filesystem.
 SUPPORTED_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
                    stat.S_IFCHR, stat.S_IFBLK)
@@ -161,6 +174,15 @@ class Handle:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpaceFigures:
+    capacity_bytes: int
+    available_bytes: int
+    inodes: int
+    free_inodes: int
+    block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class NamespaceStatistics:
     inodes: int
     files: int
@@ -169,6 +191,8 @@ class NamespaceStatistics:
     open_handles: int
     orphans: int
     next_ino: int
+    metadata_bytes: int          # estimated checkpoint size of the durable state
+    metadata_capacity: int       # what the checkpoint slot allows, less the margin
 
 
 class Namespace:
@@ -184,6 +208,7 @@ class Namespace:
         self._next_fh = 1
         self.next_ino = FIRST_INO
         self._nursery = None
+        self._meta_bytes = 0       # inode rows, entries, targets, block lists (see INODE_ROW_COST)
 
     # -- state --------------------------------------------------------------
     def load(self, state, records):
@@ -201,6 +226,7 @@ class Namespace:
         for record in records:
             self.apply(record)
         self._drop_provisional()
+        self._meta_bytes = sum(self._inode_cost(i) for i in self.inodes.values())
         for inode in self.inodes.values():
             if inode.is_file:
                 present = [k if k is None or k in self.index.entries else None for k in inode.committed]
@@ -209,6 +235,13 @@ class Namespace:
                     log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                     inode.data.failed = errno.EIO
                 self.cache.attach(inode.data)
+
+    @staticmethod
+    def _inode_cost(inode):
+        cost = INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
+        if inode.is_dir:
+            cost += sum(DIR_ENTRY_COST + len(name) for name in inode.entries.by_name)
+        return cost
 
     def _drop_provisional(self):
         """Remove files whose content was never recorded: they were in flight at a crash."""
@@ -272,6 +305,7 @@ class Namespace:
             inode = Inode(ino, mode, uid, gid, rdev, ns)
             inode.target = target
             self.inodes[ino] = inode
+            self._meta_bytes += INODE_ROW_COST + len(target or b"")
             self.next_ino = max(self.next_ino, ino + 1)
             self._link(self.inodes[parent], name, inode, ns)
             if inode.is_file:
@@ -317,6 +351,7 @@ class Namespace:
 
     def _link(self, directory, name, inode, ns):
         directory.entries.add(name, inode.ino)
+        self._meta_bytes += DIR_ENTRY_COST + len(name)
         directory.mtime = directory.ctime = ns
         if inode.is_dir:
             inode.parent = directory.ino
@@ -325,6 +360,7 @@ class Namespace:
     def _unlink(self, directory, name, ns, keep=False):
         inode = self.inodes[directory.entries.get(name)]
         directory.entries.remove(name)
+        self._meta_bytes -= DIR_ENTRY_COST + len(name)
         directory.mtime = directory.ctime = ns
         inode.ctime = ns
         if inode.is_dir:
@@ -339,6 +375,7 @@ class Namespace:
     def _drop_inode(self, inode):
         """The inode left the durable namespace; free it now or when the kernel lets go."""
         del self.inodes[inode.ino]
+        self._meta_bytes -= INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
         if inode.is_file:
             for key in inode.committed:
                 if key is not None:
@@ -357,6 +394,7 @@ class Namespace:
 
     def _set_committed(self, inode, size, keys):
         self._forget_content_key(inode)
+        self._meta_bytes += FILE_KEY_COST * (len(keys) - len(inode.committed))
         inode.committed = keys
         inode.size_committed = size
         inode.content_key = self._content_key(size, keys)
@@ -372,6 +410,28 @@ class Namespace:
     def _content_key(self, size, keys):
         hole = b"\0" * 16
         return self.index.key_of(size.to_bytes(8, "little") + b"".join(k or hole for k in keys))
+
+    # -- metadata space ---------------------------------------------------------
+    def metadata_bytes(self):
+        """Estimated (upper bound) checkpoint size of the durable state."""
+        return self._meta_bytes + INDEX_BLOCK_COST * self.index.block_count() + 4096
+
+    def metadata_capacity(self):
+        return int(self.journal.checkpoint_capacity() * (1 - CHECKPOINT_MARGIN))
+
+    def _charge_metadata(self, nbytes):
+        """Refuse with ENOSPC an operation whose ``nbytes`` of metadata would not fit."""
+        if self.metadata_bytes() + nbytes > self.metadata_capacity():
+            raise FsError(errno.ENOSPC, "no metadata space left (the checkpoint slot is full)")
+
+    def statfs(self):
+        """Space and inode figures for statfs: data bytes, and inodes as metadata space allows."""
+        free_inodes = max(0, self.metadata_capacity() - self.metadata_bytes())
+        free_inodes //= INODE_ROW_COST + DIR_ENTRY_COST + TYPICAL_NAME
+        return SpaceFigures(capacity_bytes=self.index.capacity_bytes(),
+                            available_bytes=max(0, self.index.available_bytes()),
+                            inodes=len(self.inodes) + free_inodes, free_inodes=free_inodes,
+                            block_size=self.index.block_size)
 
     # -- lookups --------------------------------------------------------------
     def inode(self, ino):
@@ -474,6 +534,7 @@ class Namespace:
             raise FsError(errno.EINVAL, f"unknown file type {stat.S_IFMT(mode):#o}")
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
+        self._charge_metadata(INODE_ROW_COST + DIR_ENTRY_COST + len(name) + len(target or b""))
         ino = self.next_ino
         self._emit(["mk", parent, name, ino, mode, uid, gid, rdev, self.now(), target])
         inode = self.inodes[ino]
@@ -493,6 +554,7 @@ class Namespace:
         if inode.ino not in self.inodes:
             raise FsError(errno.ENOENT, "file was removed")
         self._new_entry_checks(parent, name)
+        self._charge_metadata(DIR_ENTRY_COST + len(name))
         self._emit(["ln", inode.ino, parent, name, self.now()])
         inode.lookups += 1
         return inode.ino
@@ -530,6 +592,8 @@ class Namespace:
             self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
         if self._dir(new_parent).entries.get(new_name) == self._dir(old_parent).entries.get(old_name):
             return                                  # POSIX: renaming a link onto itself does nothing
+        if len(new_name) > len(old_name):
+            self._charge_metadata(len(new_name) - len(old_name))
         self._emit(["mv", old_parent, old_name, new_parent, new_name, self.now()])
 
     def _check_rename(self, old_parent, old_name, new_parent, new_name, noreplace):
@@ -649,6 +713,9 @@ class Namespace:
         if not h.writable:
             raise FsError(errno.EBADF)
         inode = h.inode
+        new_blocks = -(-(off + len(data)) // self.index.block_size) - len(inode.data.blocks)
+        if new_blocks > 0:
+            self._charge_metadata(new_blocks * (FILE_KEY_COST + INDEX_BLOCK_COST))
         await self.cache.write(inode.data, off, data)
         self._content_changed(inode, self.now())
         return len(data)
@@ -764,13 +831,21 @@ class Namespace:
                               if i.is_file and i.content_dirty and not i.writers
                               and not i.sealing and not i.data.failed]:
                     self._schedule_seal(inode)
-                await self.journal.commit()
-                if self.journal.journal_fill > 0.5:
-                    await self.journal.checkpoint()
+                try:
+                    await self.journal.commit()
+                    if self.journal.journal_fill > 0.5:
+                        await self.journal.checkpoint()
+                except KvfsError as exc:
+                    # The device refused (EIO, or ENOSPC from the host below a
+                    # sparse store). The records stay queued and the next round
+                    # retries; fsync and flush report the error to their callers.
+                    # The mount stays up, and the durable state is untouched.
+                    log.error("committing metadata failed, will retry: %s", exc)
 
     def statistics(self):
         files = [i for i in self.inodes.values() if i.is_file]
         return NamespaceStatistics(len(self.inodes), len(files),
                                    sum(1 for i in self.inodes.values() if i.is_dir),
                                    sum(i.data.size for i in files), len(self.handles),
-                                   len(self.orphans), self.next_ino)
+                                   len(self.orphans), self.next_ino, self.metadata_bytes(),
+                                   self.metadata_capacity())

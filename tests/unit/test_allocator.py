@@ -159,3 +159,43 @@ def test_store_allocator_matches_the_data_region(tmp_path):
     finally:
         device.close()
     assert_fsck_clean(path)          # nothing durable changed
+
+
+def test_slots_count_whole_block_pieces_and_reservations_always_fit():
+    """Random allocations of at most one slot and frees: ``slots`` stays the exact sum
+    of ``len // slot``, an allocation costs at most one slot, and as many slot-sized
+    allocations as ``slots`` says always succeed (what reservations rely on)."""
+    slot = 16 * S
+    rng = random.Random(7)
+    a = Allocator(START, 1024 * S, slot=slot)
+    live = []
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or a.slots == 0):
+            off, n = live.pop(rng.randrange(len(live)))
+            a.free(off, n)
+        else:
+            n = rng.choice([S, 3 * S, 8 * S, 15 * S, slot])
+            before = a.slots
+            try:
+                off = a.allocate(n)
+            except NoSpace:
+                assert a.slots == 0 or n > max(length for _, length in a.extents())
+                continue
+            assert before - a.slots <= 1, f"step {step}: one allocation cost {before - a.slots} slots"
+            live.append((off, n))
+        assert a.slots == sum(length // slot for _, length in a.extents())
+    promised = a.slots
+    for _ in range(promised):
+        live.append((a.allocate(slot), slot))
+    assert a.slots == 0
+
+
+def test_small_allocations_keep_whole_slots_when_a_tail_has_room():
+    slot = 16 * S
+    a = Allocator(START, 3 * slot + 4 * S, slot=slot)          # 3 slots and a 4-sector tail
+    assert a.slots == 3
+    for _ in range(4):
+        a.allocate(S)
+    assert a.slots == 3                                          # the tail took them
+    a.allocate(S)
+    assert a.slots == 2                                          # now one slot had to give
