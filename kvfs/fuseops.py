@@ -14,7 +14,7 @@ import stat
 import pyfuse3
 
 from .errors import FsError, KvfsError
-from .namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO
+from .namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO, VIEW_BIT
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,10 @@ class KvfsOperations(pyfuse3.Operations):
         e.st_blksize = self.ns.index.block_size
         e.st_blocks = (inode.size + 511) // 512
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, inode.mtime, inode.ctime
+        if ino & VIEW_BIT:
+            # Who may see a view entry depends on the caller, but the kernel's dentry
+            # cache is shared by all: make it ask again on every path walk.
+            e.entry_timeout = e.attr_timeout = 0
         return e
 
     @_errno_mapped
@@ -192,7 +196,8 @@ class KvfsOperations(pyfuse3.Operations):
         fh = self._next_dir_fh
         self._next_dir_fh += 1
         # The by-hash listing is a snapshot per handle, so its offsets stay stable.
-        self._dir_handles[fh] = (inode, list(self.ns.list_dir(inode, 0)) if inode == BY_HASH_INO else None)
+        snapshot = await self.ns.view_listing() if inode == BY_HASH_INO else None
+        self._dir_handles[fh] = (inode, snapshot)
         return fh
 
     @_errno_mapped
@@ -210,7 +215,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def releasedir(self, fh):
-        self._dir_handles.pop(fh, None)
+        _, snapshot = self._dir_handles.pop(fh, (None, None))
+        if snapshot is not None:
+            self.ns.release_view_listing(snapshot)
 
     @_errno_mapped
     async def fsyncdir(self, fh, datasync):

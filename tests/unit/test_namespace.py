@@ -500,24 +500,63 @@ async def test_by_hash_view_is_read_only(tmp_path):
     ns = fs.ns
     async with running(fs):
         ino = await write_file(ns, ROOT_INO, b"f", pattern(3, BS))
-        listing = list(ns.list_dir(BY_HASH_INO, 0))
-        mine = [(n, i) for n, i, _ in listing if i == ino | VIEW_BIT]
-        assert len(mine) == 1
-        name = mine[0][0]
-        assert bytes.fromhex(name.decode()) == ns.inodes[ino].content_key
-        view = ns.lookup(BY_HASH_INO, name)
-        assert view == ino | VIEW_BIT
+        listing = await ns.view_listing()
+        assert [n for n, _, _ in listing] == [ns.inodes[ino].content_key.hex().encode()]
+        name, view, _ = listing[0]
+        assert view & VIEW_BIT and view != ino | VIEW_BIT
+        assert ns.lookup(BY_HASH_INO, name) == view
+        ns.release_view_listing(listing)
         with pytest.raises(FsError) as e:
             ns.open(view, os.O_WRONLY)
         assert err(e) == errno.EROFS
-        fh, _, _ = ns.open(view, os.O_RDONLY)
+        fh, direct_io, keep_cache = ns.open(view, os.O_RDONLY)
+        assert (direct_io, keep_cache) == (False, True)
         assert await ns.read(fh, 0, BS) == pattern(3, BS)
         await ns.release(fh)
         with pytest.raises(FsError) as e:
             ns.make(BY_HASH_INO, b"x", FILE_MODE, 0, 0)
         assert err(e) == errno.EROFS
         ns.forget(view, 1)
+        assert not ns.views                      # nothing holds the view any more: it is gone
         ns.forget(ino, 1)
+    close_and_check(fs)
+
+
+async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        x, y = pattern(4, 2 * BS + 9), pattern(5, 2 * BS + 9)
+        ino = await write_file(ns, ROOT_INO, b"f", x)
+        kx = ns.inodes[ino].content_key
+        vx = ns.lookup(BY_HASH_INO, kx.hex().encode())
+        fh, _, _ = ns.open(vx, os.O_RDONLY)
+        w, _, _ = ns.open(ino, os.O_WRONLY | os.O_TRUNC)     # a rewrite, recorded (fsync)
+        await ns.write(w, 0, y)
+        await ns.fsync(w)
+        await ns.release(w)
+        ky = ns.inodes[ino].content_key
+        assert ky != kx and kx not in ns.by_content
+        assert await ns.read(fh, 0, len(x)) == x            # the descriptor keeps its content
+        vy = ns.lookup(BY_HASH_INO, ky.hex().encode())
+        assert vy != vx                                     # another content, another inode
+        assert await read_all(ns, vy, len(y)) == y
+        with pytest.raises(FsError) as e:
+            ns.lookup(BY_HASH_INO, kx.hex().encode())
+        assert err(e) == errno.ENOENT
+        blocks_of_x = ns.views[vx].data.keys()
+        assert all(k in fs.index.entries for k in blocks_of_x)     # pinned by the open view
+        await ns.release(fh)
+        assert ns.views[vx].data is None                   # the last close let go of them
+        assert not any(k in fs.index.entries for k in blocks_of_x)
+        with pytest.raises(FsError) as e:
+            ns.open(vx, os.O_RDONLY)                        # a stale view of gone content
+        assert err(e) == errno.ENOENT
+        ns.forget(vx, 1)
+        ns.forget(vy, 1)
+        ns.forget(ino, 1)
+        assert not ns.views
     close_and_check(fs)
 
 
