@@ -9,6 +9,7 @@ import errno
 import functools
 import json
 import logging
+import os
 import stat
 
 import pyfuse3
@@ -25,6 +26,7 @@ CONTROL_XATTR = b"user.kvfs.control"
 ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
 STATFS_BSIZE = 4096          # LMCache uses O_DIRECT only if f_bsize divides its chunk size
+BY_HASH_POLICIES = ("root", "owner")
 
 
 def _errno_mapped(handler):
@@ -45,14 +47,25 @@ def _errno_mapped(handler):
 
 
 class KvfsOperations(pyfuse3.Operations):
-    """The FUSE surface. ``control`` answers stats and admin commands (the daemon)."""
+    """The FUSE surface. ``control`` answers stats and admin commands (the daemon).
+
+    Privileged callers are root and the mount's owner (the daemon's uid, who can
+    read the store anyway). With
+    ``by_hash="root"`` (the default) only they may enter /.kvfs/by-hash. With
+    ``by_hash="owner"`` anyone may, but sees only the files it owns, may read and
+    can reach by some path (see Namespace._visible_sources).
+    """
 
     enable_writeback_cache = False
 
-    def __init__(self, namespace, control):
+    def __init__(self, namespace, control, *, by_hash="root"):
         super().__init__()
+        if by_hash not in BY_HASH_POLICIES:
+            raise ValueError(f"by_hash must be one of {BY_HASH_POLICIES}")
         self.ns = namespace
         self.control = control
+        self.by_hash = by_hash
+        self.owner_uid = os.getuid()
         self._dir_handles = {}
         self._next_dir_fh = 1
 
@@ -75,10 +88,25 @@ class KvfsOperations(pyfuse3.Operations):
             # Who may see a view entry depends on the caller, but the kernel's dentry
             # cache is shared by all: make it ask again on every path walk.
             e.entry_timeout = e.attr_timeout = 0
+        elif ino == BY_HASH_INO and self.by_hash == "root":
+            e.st_mode, e.st_uid = stat.S_IFDIR | 0o500, self.owner_uid
         return e
+
+    def _privileged(self, ctx):
+        return ctx is not None and ctx.uid in (0, self.owner_uid)
+
+    def _view_caller(self, ctx):
+        """Who asks the by-hash view: None (sees all), (uid, gid), or EACCES."""
+        if self._privileged(ctx):
+            return None
+        if self.by_hash != "owner" or ctx is None:
+            raise FsError(errno.EACCES, "/.kvfs/by-hash is root-only on this mount")
+        return ctx.uid, ctx.gid
 
     @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == BY_HASH_INO:
+            return self._entry(await self.ns.lookup_view(name, self._view_caller(ctx)))
         try:
             return self._entry(self.ns.lookup(parent_inode, name))
         except FsError as exc:
@@ -195,8 +223,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.ns.attr(inode)
         fh = self._next_dir_fh
         self._next_dir_fh += 1
-        # The by-hash listing is a snapshot per handle, so its offsets stay stable.
-        snapshot = await self.ns.view_listing() if inode == BY_HASH_INO else None
+        # The by-hash listing is a snapshot per handle and per caller, so its offsets stay stable.
+        snapshot = await self.ns.view_listing(self._view_caller(ctx)) if inode == BY_HASH_INO else None
         self._dir_handles[fh] = (inode, snapshot)
         return fh
 

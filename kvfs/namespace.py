@@ -34,7 +34,9 @@ The by-hash view (``/.kvfs/by-hash/<content key>``) is RAM-only: each entry is a
 content never changes: its first open builds an immutable FileData from the
 source's committed block list (pinned in the block index until the last close),
 so the kernel may keep its pages forever; if the source no longer holds that
-content, the open fails with ENOENT.
+content, the open fails with ENOENT. Who may see which entries is decided by the
+caller (fuseops): ``caller=None`` sees every content, ``(uid, gid)`` only files
+it owns, may read, and reaches through directories it may search.
 """
 import bisect
 import dataclasses
@@ -422,6 +424,7 @@ class Namespace:
         return child
 
     def _lookup_by_hash(self, name):
+        """by-hash lookup for a caller that may see every content (root)."""
         key = self._view_key(name)
         holders = self.by_content.get(key)
         if not holders:
@@ -430,18 +433,33 @@ class Namespace:
         view.lookups += 1
         return view.ino
 
-    async def view_listing(self):
-        """The by-hash entries, as (name, view ino, cookie).
+    async def lookup_view(self, name, caller):
+        """Resolve by-hash/<name> for ``caller``: None (sees all) or (uid, gid)."""
+        if caller is None:
+            return self._lookup_by_hash(name)
+        key = self._view_key(name)
+        found = await self._visible_sources(caller, {key})
+        if key not in found:
+            raise FsError(errno.ENOENT)
+        view = self._view(key, self.inodes[found[key]])
+        view.lookups += 1
+        return view.ino
+
+    async def view_listing(self, caller):
+        """The by-hash entries ``caller`` may see, as (name, view ino, cookie).
 
         Each entry is held until :meth:`release_view_listing`, so a listing's
         inode numbers stay valid while it is read.
         """
-        sources = {}
-        for n, (key, holders) in enumerate(list(self.by_content.items())):
-            if n % 1024 == 1023:
-                await trio.lowlevel.checkpoint()
-            if holders and self.by_content.get(key) is holders:
-                sources[key] = min(holders)
+        if caller is None:
+            sources = {}
+            for n, (key, holders) in enumerate(list(self.by_content.items())):
+                if n % 1024 == 1023:
+                    await trio.lowlevel.checkpoint()
+                if holders and self.by_content.get(key) is holders:
+                    sources[key] = min(holders)
+        else:
+            sources = await self._visible_sources(caller)
         listing = []
         for key in sorted(sources):
             source = self.inodes.get(sources[key])
@@ -488,6 +506,68 @@ class Namespace:
         if not (view.lookups or view.opens or view.holds):
             del self.views[view.ino]
             del self._view_of[view.content_key, view.source]
+
+    @staticmethod
+    def _may(inode, uid, gid, bit):
+        """POSIX permission check of one class: owner, else group, else other."""
+        shift = 6 if inode.uid == uid else 3 if inode.gid == gid else 0
+        return bool((inode.mode >> shift) & bit)
+
+    async def _visible_sources(self, caller, keys=None):
+        """{content key: source ino} of the files ``caller`` may see through the view.
+
+        Visible: a regular file the caller owns and may read, named by an entry in
+        a directory from which every directory up to the root is searchable by the
+        caller. Only uid and primary gid are known (FUSE passes no supplementary
+        groups), so a directory searchable only through a supplementary group
+        hides its files: the check can refuse, never leak. The walk visits the
+        directories the caller may search, yielding to the event loop as it goes;
+        every answer is checked again, without yielding, before it is returned.
+        """
+        uid, gid = caller
+        wanted = {}
+        for key in (self.by_content if keys is None else keys):
+            for ino in self.by_content.get(key, ()):
+                inode = self.inodes[ino]
+                if inode.uid == uid and inode.mode & 0o400:
+                    wanted[ino] = key
+        found = {}                                  # ino -> (directory, name)
+        root = self.inodes[ROOT_INO]
+        todo, seen, steps = [root], set(), 0
+        while todo and wanted and len(found) < len(wanted) and self._may(root, uid, gid, 1):
+            directory = todo.pop()
+            if directory.ino in seen or directory.ino not in self.inodes:
+                continue
+            seen.add(directory.ino)
+            for name, (ino, _) in list(directory.entries.by_name.items()):
+                steps += 1
+                if steps % 4096 == 0:
+                    await trio.lowlevel.checkpoint()
+                if ino in wanted:
+                    found.setdefault(ino, (directory, name))
+                    continue
+                child = self.inodes.get(ino)
+                if child is not None and child.is_dir and self._may(child, uid, gid, 1):
+                    todo.append(child)
+        sources = {}
+        for ino, (directory, name) in sorted(found.items()):
+            inode = self.inodes.get(ino)
+            key = wanted[ino]
+            if (inode is not None and inode.content_key == key and inode.uid == uid
+                    and inode.mode & 0o400 and directory.entries.get(name) == ino
+                    and self._reachable(directory, uid, gid)):
+                sources.setdefault(key, ino)
+        return sources
+
+    def _reachable(self, directory, uid, gid):
+        """Whether the caller may search ``directory`` and every directory above it."""
+        while directory is not None and directory.ino in self.inodes:
+            if not self._may(directory, uid, gid, 1):
+                return False
+            if directory.ino == ROOT_INO:
+                return True
+            directory = self.inodes.get(directory.parent)
+        return False
 
     def forget(self, ino, count):
         if ino < FIRST_INO:

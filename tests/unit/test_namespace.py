@@ -500,7 +500,7 @@ async def test_by_hash_view_is_read_only(tmp_path):
     ns = fs.ns
     async with running(fs):
         ino = await write_file(ns, ROOT_INO, b"f", pattern(3, BS))
-        listing = await ns.view_listing()
+        listing = await ns.view_listing(None)
         assert [n for n, _, _ in listing] == [ns.inodes[ino].content_key.hex().encode()]
         name, view, _ = listing[0]
         assert view & VIEW_BIT and view != ino | VIEW_BIT
@@ -556,6 +556,46 @@ async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path
         ns.forget(vx, 1)
         ns.forget(vy, 1)
         ns.forget(ino, 1)
+        assert not ns.views
+    close_and_check(fs)
+
+
+async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    alice, bob = (1000, 1000), (2000, 2000)
+    async with running(fs):
+        ns.inodes[ROOT_INO].mode = stat.S_IFDIR | 0o1777
+        home = ns.make(ROOT_INO, b"alice", stat.S_IFDIR | 0o700, *alice)
+        deep = ns.make(home, b"deep", stat.S_IFDIR | 0o755, *alice)
+        files = {}
+        for parent, name, mode in ((home, b"notes", 0o644), (deep, b"key", 0o600), (home, b"wo", 0o200)):
+            ino = ns.make(parent, name, stat.S_IFREG | mode, *alice)
+            fh, _, _ = ns.open(ino, os.O_WRONLY)
+            await ns.write(fh, 0, pattern(len(files) + 10, BS))
+            await ns.fsync(fh)
+            await ns.release(fh)
+            files[name] = ns.inodes[ino].content_key.hex().encode()
+
+        async def names(caller):
+            listing = await ns.view_listing(caller)
+            ns.release_view_listing(listing)
+            return sorted(n for n, _, _ in listing)
+
+        assert await names(alice) == sorted([files[b"notes"], files[b"key"]])
+        assert await names(bob) == []
+        with pytest.raises(FsError) as e:
+            await ns.lookup_view(files[b"notes"], bob)
+        assert err(e) == errno.ENOENT
+        view = await ns.lookup_view(files[b"key"], alice)
+        assert ns.inode(view).uid == 1000 and stat.S_IMODE(ns.inode(view).mode) == 0o400
+        ns.forget(view, 1)
+        ns.inodes[deep].mode = stat.S_IFDIR | 0o644         # alice can no longer search deep/
+        assert await names(alice) == [files[b"notes"]]
+        with pytest.raises(FsError):
+            await ns.lookup_view(files[b"key"], alice)
+        assert await names(None) == sorted(files.values())  # root sees everything
         assert not ns.views
     close_and_check(fs)
 
