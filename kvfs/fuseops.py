@@ -50,7 +50,7 @@ class KvfsOperations(pyfuse3.Operations):
     """The FUSE surface. ``control`` answers stats and admin commands (the daemon).
 
     Privileged callers are root and the mount's owner (the daemon's uid, who can
-    read the store anyway). With
+    read the store anyway). Only they read the statistics, and with
     ``by_hash="root"`` (the default) only they may enter /.kvfs/by-hash. With
     ``by_hash="owner"`` anyone may, but sees only the files it owns, may read and
     can reach by some path (see Namespace._visible_sources).
@@ -267,6 +267,8 @@ class KvfsOperations(pyfuse3.Operations):
     @_errno_mapped
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INO and name == STATS_XATTR:
+            if not self._privileged(ctx):
+                raise FsError(errno.EACCES, "statistics are readable by root and the mount's owner only")
             return json.dumps(self.control.stats(), sort_keys=True).encode()
         if name == KEY_XATTR:
             node = self.ns.inode(inode)
@@ -281,7 +283,7 @@ class KvfsOperations(pyfuse3.Operations):
         names = []
         if self.ns.inode(inode).is_file:
             names.append(KEY_XATTR)
-        if inode == ROOT_INO:
+        if inode == ROOT_INO and self._privileged(ctx):
             names.append(STATS_XATTR)
         return names
 

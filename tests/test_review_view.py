@@ -23,6 +23,7 @@ MiB = 1 << 20
 ALICE = 1000
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"
+REPO = Path(__file__).resolve().parent.parent
 
 # Runs as another uid: each op is [name, path, *args]; prints one JSON result per op,
 # {"ok": value} or {"errno": n}.
@@ -173,7 +174,7 @@ def test_by_hash_owner_mode_shows_only_own_reachable_readable_files(shared_kvfs)
     assert one(NOBODY, "listdir", view) == {"ok": []}
 
 
-# -- item 2: content probes --------------------------------------------------------------
+# -- item 2: content probes and the statistics --------------------------------------------
 
 @pytest.mark.parametrize("mode", ["root", "owner"])
 def test_guess_and_stat_reveals_nothing(shared_kvfs, mode):
@@ -200,6 +201,23 @@ def test_guess_and_stat_reveals_nothing(shared_kvfs, mode):
     # After the guesser deletes its copy, alice's remains invisible to it.
     os.unlink(right)
     assert one(NOBODY, "stat", by_hash(fs, guessed)) == {"errno": errno.ENOENT}
+
+
+def test_stats_readable_only_by_root_and_the_mount_owner(shared_kvfs):
+    fs = shared_kvfs()
+    before = fs.stats()                                # root: the mount's owner here
+    assert before["pid"] == fs.pid
+    got, names = as_user(NOBODY, ["getxattr", fs.mnt, "user.kvfs.stats"], ["listxattr", fs.mnt])
+    assert got == {"errno": errno.EACCES}
+    assert "user.kvfs.stats" not in names["ok"]
+    proc = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+         SYSTEM_PYTHON, "-m", "kvfs.cli.admin", "stats", str(fs.mnt)],
+        capture_output=True, text=True, timeout=60, cwd="/", env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "statistics are readable only by root and the mount's owner" in lines[0]
 
 
 # -- item 6: the view served content other than the one its key names --------------------
