@@ -39,6 +39,7 @@ class MountOptions:
     allow_other: bool = False
     write_delay: float = 0.0          # test hook: a deliberately slow device
     read_ahead_kb: int = 32768
+    by_hash: str = "root"             # who may use /.kvfs/by-hash: "root" or "owner" (fuseops)
 
     @classmethod
     def defaults(cls):
@@ -208,7 +209,7 @@ class Daemon:
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
         if self.options.allow_other:
             fuse_options.add("allow_other")
-        ops = KvfsOperations(self.fs.ns, self)
+        ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
         pyfuse3.init(ops, self.mountpoint, fuse_options)
         unmounted = False
         try:

@@ -9,12 +9,13 @@ import errno
 import functools
 import json
 import logging
+import os
 import stat
 
 import pyfuse3
 
 from .errors import FsError, KvfsError
-from .namespace import BY_HASH_INO, KEY_XATTR, NAME_MAX, ROOT_INO
+from .namespace import BY_HASH_INO, KEY_XATTR, NAME_MAX, ROOT_INO, VIEW_BIT
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
 DOT_ENTRIES = 2             # "." and ".." lead every listing
 STATFS_BSIZE = 4096          # LMCache uses O_DIRECT only if f_bsize divides its chunk size
+BY_HASH_POLICIES = ("root", "owner")
 
 
 def _errno_mapped(handler):
@@ -46,14 +48,25 @@ def _errno_mapped(handler):
 
 
 class KvfsOperations(pyfuse3.Operations):
-    """The FUSE surface. ``control`` answers stats and admin commands (the daemon)."""
+    """The FUSE surface. ``control`` answers stats and admin commands (the daemon).
+
+    Privileged callers are root and the mount's owner (the daemon's uid, who can
+    read the store anyway). Only they read the statistics, and with
+    ``by_hash="root"`` (the default) only they may enter /.kvfs/by-hash. With
+    ``by_hash="owner"`` anyone may, but sees only the files it owns, may read and
+    can reach by some path (see Namespace._visible_sources).
+    """
 
     enable_writeback_cache = False
 
-    def __init__(self, namespace, control):
+    def __init__(self, namespace, control, *, by_hash="root"):
         super().__init__()
+        if by_hash not in BY_HASH_POLICIES:
+            raise ValueError(f"by_hash must be one of {BY_HASH_POLICIES}")
         self.ns = namespace
         self.control = control
+        self.by_hash = by_hash
+        self.owner_uid = os.getuid()
         self._dir_handles = {}
         self._next_dir_fh = 1
 
@@ -72,10 +85,29 @@ class KvfsOperations(pyfuse3.Operations):
         e.st_blksize = self.ns.index.block_size
         e.st_blocks = (inode.size + 511) // 512
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, inode.mtime, inode.ctime
+        if ino & VIEW_BIT:
+            # Who may see a view entry depends on the caller, but the kernel's dentry
+            # cache is shared by all: make it ask again on every path walk.
+            e.entry_timeout = e.attr_timeout = 0
+        elif ino == BY_HASH_INO and self.by_hash == "root":
+            e.st_mode, e.st_uid = stat.S_IFDIR | 0o500, self.owner_uid
         return e
+
+    def _privileged(self, ctx):
+        return ctx is not None and ctx.uid in (0, self.owner_uid)
+
+    def _view_caller(self, ctx):
+        """Who asks the by-hash view: None (sees all), (uid, gid), or EACCES."""
+        if self._privileged(ctx):
+            return None
+        if self.by_hash != "owner" or ctx is None:
+            raise FsError(errno.EACCES, "/.kvfs/by-hash is root-only on this mount")
+        return ctx.uid, ctx.gid
 
     @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == BY_HASH_INO:
+            return self._entry(await self.ns.lookup_view(name, self._view_caller(ctx)))
         try:
             return self._entry(self.ns.lookup(parent_inode, name))
         except FsError as exc:
@@ -192,8 +224,9 @@ class KvfsOperations(pyfuse3.Operations):
         self.ns.attr(inode)
         fh = self._next_dir_fh
         self._next_dir_fh += 1
-        # The by-hash listing is a snapshot per handle, so its offsets stay stable.
-        self._dir_handles[fh] = (inode, list(self.ns.list_dir(inode, 0)) if inode == BY_HASH_INO else None)
+        # The by-hash listing is a snapshot per handle and per caller, so its offsets stay stable.
+        snapshot = await self.ns.view_listing(self._view_caller(ctx)) if inode == BY_HASH_INO else None
+        self._dir_handles[fh] = (inode, snapshot)
         return fh
 
     @_errno_mapped
@@ -218,7 +251,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def releasedir(self, fh):
-        self._dir_handles.pop(fh, None)
+        _, snapshot = self._dir_handles.pop(fh, (None, None))
+        if snapshot is not None:
+            self.ns.release_view_listing(snapshot)
 
     @_errno_mapped
     async def fsyncdir(self, fh, datasync):
@@ -240,6 +275,8 @@ class KvfsOperations(pyfuse3.Operations):
     @_errno_mapped
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INO and name == STATS_XATTR:
+            if not self._privileged(ctx):
+                raise FsError(errno.EACCES, "statistics are readable by root and the mount's owner only")
             return json.dumps(self.control.stats(), sort_keys=True).encode()
         if name == KEY_XATTR:
             node = self.ns.inode(inode)
@@ -254,7 +291,7 @@ class KvfsOperations(pyfuse3.Operations):
         names = []
         if self.ns.inode(inode).is_file:
             names.append(KEY_XATTR)
-        if inode == ROOT_INO:
+        if inode == ROOT_INO and self._privileged(ctx):
             names.append(STATS_XATTR)
         return names
 

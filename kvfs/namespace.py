@@ -34,6 +34,16 @@ Invariants (checked by fsck):
 * ``BlockEntry.refs`` equals the number of times durable contents name a key;
 * inode numbers are never reused (``next_ino`` only grows); 0-15 are reserved:
   1 is the root, 2 is ``/.kvfs``, 3 is ``/.kvfs/by-hash``.
+
+The by-hash view (``/.kvfs/by-hash/<content key>``) is RAM-only: each entry is a
+:class:`ViewInode` for one (content key, source inode) pair, numbered
+``VIEW_BIT | n`` with ``n`` never reused in the life of the mount. A view's
+content never changes: its first open builds an immutable FileData from the
+source's committed block list (pinned in the block index until the last close),
+so the kernel may keep its pages forever; if the source no longer holds that
+content, the open fails with ENOENT. Who may see which entries is decided by the
+caller (fuseops): ``caller=None`` sees every content, ``(uid, gid)`` only files
+it owns, may read, and reaches through directories it may search.
 """
 import bisect
 import dataclasses
@@ -166,6 +176,31 @@ class Inode:
         return 4096 if self.is_dir else 0
 
 
+class ViewInode(Inode):
+    """A committed content seen through /.kvfs/by-hash; attributes follow its source."""
+
+    __slots__ = ("source", "view_size", "holds")
+
+    def __init__(self, ino, key, source):
+        super().__init__(ino, stat.S_IFREG, source.uid, source.gid)
+        self.data = None                   # an immutable FileData while open
+        self.content_key = key
+        self.source = source.ino
+        self.holds = 0                     # by-hash listings that include this entry
+        self.refresh(source)
+
+    def refresh(self, source):
+        # Only the owner (and root) may use a view entry: read and search bits, nothing else.
+        self.mode = stat.S_IFREG | (source.mode & 0o500)
+        self.uid, self.gid = source.uid, source.gid
+        self.atime, self.mtime, self.ctime = source.atime, source.mtime, source.ctime
+        self.view_size = source.size_committed
+
+    @property
+    def size(self):
+        return self.view_size
+
+
 @dataclasses.dataclass
 class Handle:
     inode: Inode
@@ -209,6 +244,9 @@ class Namespace:
         self.next_ino = FIRST_INO
         self._nursery = None
         self._meta_bytes = 0       # inode rows, entries, targets, block lists (see INODE_ROW_COST)
+        self.views = {}            # view inode number -> ViewInode (RAM only)
+        self._view_of = {}         # (content key, source ino) -> view inode number
+        self._next_view = 1
 
     # -- state --------------------------------------------------------------
     def load(self, state, records):
@@ -435,8 +473,10 @@ class Namespace:
 
     # -- lookups --------------------------------------------------------------
     def inode(self, ino):
-        real = ino & ~VIEW_BIT
-        inode = self.inodes.get(real) or self.orphans.get(real)
+        if ino & VIEW_BIT:
+            inode = self.views.get(ino)
+        else:
+            inode = self.inodes.get(ino) or self.orphans.get(ino)
         if inode is None:
             raise FsError(errno.ENOENT)
         return inode
@@ -473,21 +513,161 @@ class Namespace:
         return child
 
     def _lookup_by_hash(self, name):
+        """by-hash lookup for a caller that may see every content (root)."""
+        key = self._view_key(name)
+        holders = self.by_content.get(key)
+        if not holders:
+            raise FsError(errno.ENOENT)
+        view = self._view(key, self.inodes[min(holders)])
+        view.lookups += 1
+        return view.ino
+
+    async def lookup_view(self, name, caller):
+        """Resolve by-hash/<name> for ``caller``: None (sees all) or (uid, gid)."""
+        if caller is None:
+            return self._lookup_by_hash(name)
+        key = self._view_key(name)
+        found = await self._visible_sources(caller, {key})
+        if key not in found:
+            raise FsError(errno.ENOENT)
+        view = self._view(key, self.inodes[found[key]])
+        view.lookups += 1
+        return view.ino
+
+    async def view_listing(self, caller):
+        """The by-hash entries ``caller`` may see, as (name, view ino, cookie).
+
+        Each entry is held until :meth:`release_view_listing`, so a listing's
+        inode numbers stay valid while it is read.
+        """
+        if caller is None:
+            sources = {}
+            for n, (key, holders) in enumerate(list(self.by_content.items())):
+                if n % 1024 == 1023:
+                    await trio.lowlevel.checkpoint()
+                if holders and self.by_content.get(key) is holders:
+                    sources[key] = min(holders)
+        else:
+            sources = await self._visible_sources(caller)
+        listing = []
+        for key in sorted(sources):
+            source = self.inodes.get(sources[key])
+            if source is None or source.content_key != key:
+                continue                            # changed while we yielded
+            view = self._view(key, source)
+            view.holds += 1
+            listing.append((key.hex().encode(), view.ino, len(listing) + 1))
+        return listing
+
+    def release_view_listing(self, listing):
+        for _, ino, _ in listing:
+            view = self.views.get(ino)
+            if view is not None:
+                view.holds -= 1
+                self._maybe_drop_view(view)
+
+    @staticmethod
+    def _view_key(name):
         try:
             key = bytes.fromhex(name.decode("ascii"))
         except (ValueError, UnicodeDecodeError):
             raise FsError(errno.ENOENT) from None
-        for ino in sorted(self.by_content.get(key, ())):
-            inode = self.inodes[ino]
-            if not inode.content_dirty:
-                inode.lookups += 1
-                return ino | VIEW_BIT
-        raise FsError(errno.ENOENT)
+        if len(key) != 16:
+            raise FsError(errno.ENOENT)
+        return key
+
+    def _view(self, key, source):
+        """The view inode of ``key`` as held by ``source`` (made on first use)."""
+        ino = self._view_of.get((key, source.ino))
+        if ino is None:
+            ino = VIEW_BIT | self._next_view
+            self._next_view += 1
+            self.views[ino] = ViewInode(ino, key, source)
+            self._view_of[key, source.ino] = ino
+        else:
+            self.views[ino].refresh(source)
+        return self.views[ino]
+
+    def _maybe_drop_view(self, view):
+        if not view.opens and view.data is not None:
+            self.cache.release(view.data)          # unpins the content's blocks
+            view.data = None
+        if not (view.lookups or view.opens or view.holds):
+            del self.views[view.ino]
+            del self._view_of[view.content_key, view.source]
+
+    @staticmethod
+    def _may(inode, uid, gid, bit):
+        """POSIX permission check of one class: owner, else group, else other."""
+        shift = 6 if inode.uid == uid else 3 if inode.gid == gid else 0
+        return bool((inode.mode >> shift) & bit)
+
+    async def _visible_sources(self, caller, keys=None):
+        """{content key: source ino} of the files ``caller`` may see through the view.
+
+        Visible: a regular file the caller owns and may read, named by an entry in
+        a directory from which every directory up to the root is searchable by the
+        caller. Only uid and primary gid are known (FUSE passes no supplementary
+        groups), so a directory searchable only through a supplementary group
+        hides its files: the check can refuse, never leak. The walk visits the
+        directories the caller may search, yielding to the event loop as it goes;
+        every answer is checked again, without yielding, before it is returned.
+        """
+        uid, gid = caller
+        wanted = {}
+        for key in (self.by_content if keys is None else keys):
+            for ino in self.by_content.get(key, ()):
+                inode = self.inodes[ino]
+                if inode.uid == uid and inode.mode & 0o400:
+                    wanted[ino] = key
+        found = {}                                  # ino -> (directory, name)
+        root = self.inodes[ROOT_INO]
+        todo, seen, steps = [root], set(), 0
+        while todo and wanted and len(found) < len(wanted) and self._may(root, uid, gid, 1):
+            directory = todo.pop()
+            if directory.ino in seen or directory.ino not in self.inodes:
+                continue
+            seen.add(directory.ino)
+            for name, (ino, _) in list(directory.entries.by_name.items()):
+                steps += 1
+                if steps % 4096 == 0:
+                    await trio.lowlevel.checkpoint()
+                if ino in wanted:
+                    found.setdefault(ino, (directory, name))
+                    continue
+                child = self.inodes.get(ino)
+                if child is not None and child.is_dir and self._may(child, uid, gid, 1):
+                    todo.append(child)
+        sources = {}
+        for ino, (directory, name) in sorted(found.items()):
+            inode = self.inodes.get(ino)
+            key = wanted[ino]
+            if (inode is not None and inode.content_key == key and inode.uid == uid
+                    and inode.mode & 0o400 and directory.entries.get(name) == ino
+                    and self._reachable(directory, uid, gid)):
+                sources.setdefault(key, ino)
+        return sources
+
+    def _reachable(self, directory, uid, gid):
+        """Whether the caller may search ``directory`` and every directory above it."""
+        while directory is not None and directory.ino in self.inodes:
+            if not self._may(directory, uid, gid, 1):
+                return False
+            if directory.ino == ROOT_INO:
+                return True
+            directory = self.inodes.get(directory.parent)
+        return False
 
     def forget(self, ino, count):
         if ino < FIRST_INO:
             return
-        inode = self.inodes.get(ino & ~VIEW_BIT) or self.orphans.get(ino & ~VIEW_BIT)
+        if ino & VIEW_BIT:
+            view = self.views.get(ino)
+            if view is not None:
+                view.lookups = max(0, view.lookups - count)
+                self._maybe_drop_view(view)
+            return
+        inode = self.inodes.get(ino) or self.orphans.get(ino)
         if inode is None:
             return
         inode.lookups = max(0, inode.lookups - count)
@@ -663,6 +843,8 @@ class Namespace:
         view = bool(ino & VIEW_BIT)
         if view and (writable or flags & os.O_TRUNC):
             raise FsError(errno.EROFS, "/.kvfs/by-hash is read-only")
+        if view:
+            return self._open_view(inode)
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(inode, writable, view)
@@ -686,6 +868,25 @@ class Namespace:
         if not writable:
             self.cache.prefetch(inode.data)
         return fh, False, keep
+
+    def _open_view(self, view):
+        """Open a by-hash entry: exactly the content its key names, or ENOENT if it is gone."""
+        if view.data is None:
+            source = self.inodes.get(view.source)
+            if source is None or source.content_key != view.content_key:
+                raise FsError(errno.ENOENT, "that content is no longer stored")
+            if any(k is not None and k not in self.index.entries for k in source.committed):
+                raise FsError(errno.EIO, "that content names blocks missing from the index")
+            view.data = FileData(source.size_committed, source.committed)
+            self.cache.attach(view.data)
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(view, False, True)
+        view.opens += 1
+        self.cache.prefetch(view.data)
+        # The inode number names this one content for the life of the mount, so
+        # whatever the kernel has cached for it is always right.
+        return fh, False, True
 
     def _truncate_now(self, inode):
         if inode.data.size or inode.data.blocks:
@@ -726,6 +927,9 @@ class Namespace:
             return
         inode = h.inode
         inode.opens -= 1
+        if h.view:
+            self._maybe_drop_view(inode)
+            return
         if h.writable:
             inode.writers -= 1
             if inode.writers == 0:
@@ -790,10 +994,7 @@ class Namespace:
                 yield b"by-hash", BY_HASH_INO, 1
             return
         if ino == BY_HASH_INO:
-            keys = sorted(k for k, owners in self.by_content.items() if owners)
-            for i, key in enumerate(keys[after:], start=after + 1):
-                yield key.hex().encode(), min(self.by_content[key]) | VIEW_BIT, i
-            return
+            raise FsError(errno.EINVAL, "by-hash is listed per caller: use view_listing")
         directory = self._dir(ino)
         if ino == ROOT_INO and after < 1:
             yield META_NAME, META_DIR_INO, 1

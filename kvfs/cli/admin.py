@@ -29,6 +29,9 @@ def read_stats(mountpoint):
     try:
         return json.loads(os.getxattr(mountpoint, STATS_XATTR))
     except OSError as exc:
+        if exc.errno == errno.EACCES:
+            raise KvfsError(f"{mountpoint}: statistics are readable only by root and the mount's owner",
+                            exc.errno) from None
         raise _not_kvfs(mountpoint, exc) from None
 
 

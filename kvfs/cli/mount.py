@@ -46,6 +46,10 @@ def parse_options(text):
                     raise ValueError
             elif name in FLOAT_OPTIONS:
                 setattr(opts, name, float(value))
+            elif name == "by_hash":
+                if value not in ("root", "owner"):
+                    raise ValueError
+                opts.by_hash = value
             elif name == "write_delay_ms":
                 opts.write_delay = float(value) / 1000
             elif name == "log":

@@ -509,24 +509,103 @@ async def test_by_hash_view_is_read_only(tmp_path):
     ns = fs.ns
     async with running(fs):
         ino = await write_file(ns, ROOT_INO, b"f", pattern(3, BS))
-        listing = list(ns.list_dir(BY_HASH_INO, 0))
-        mine = [(n, i) for n, i, _ in listing if i == ino | VIEW_BIT]
-        assert len(mine) == 1
-        name = mine[0][0]
-        assert bytes.fromhex(name.decode()) == ns.inodes[ino].content_key
-        view = ns.lookup(BY_HASH_INO, name)
-        assert view == ino | VIEW_BIT
+        listing = await ns.view_listing(None)
+        assert [n for n, _, _ in listing] == [ns.inodes[ino].content_key.hex().encode()]
+        name, view, _ = listing[0]
+        assert view & VIEW_BIT and view != ino | VIEW_BIT
+        assert ns.lookup(BY_HASH_INO, name) == view
+        ns.release_view_listing(listing)
         with pytest.raises(FsError) as e:
             ns.open(view, os.O_WRONLY)
         assert err(e) == errno.EROFS
-        fh, _, _ = ns.open(view, os.O_RDONLY)
+        fh, direct_io, keep_cache = ns.open(view, os.O_RDONLY)
+        assert (direct_io, keep_cache) == (False, True)
         assert await ns.read(fh, 0, BS) == pattern(3, BS)
         await ns.release(fh)
         with pytest.raises(FsError) as e:
             ns.make(BY_HASH_INO, b"x", FILE_MODE, 0, 0)
         assert err(e) == errno.EROFS
         ns.forget(view, 1)
+        assert not ns.views                      # nothing holds the view any more: it is gone
         ns.forget(ino, 1)
+    close_and_check(fs)
+
+
+async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    async with running(fs):
+        x, y = pattern(4, 2 * BS + 9), pattern(5, 2 * BS + 9)
+        ino = await write_file(ns, ROOT_INO, b"f", x)
+        kx = ns.inodes[ino].content_key
+        vx = ns.lookup(BY_HASH_INO, kx.hex().encode())
+        fh, _, _ = ns.open(vx, os.O_RDONLY)
+        w, _, _ = ns.open(ino, os.O_WRONLY | os.O_TRUNC)     # a rewrite, recorded (fsync)
+        await ns.write(w, 0, y)
+        await ns.fsync(w)
+        await ns.release(w)
+        ky = ns.inodes[ino].content_key
+        assert ky != kx and kx not in ns.by_content
+        assert await ns.read(fh, 0, len(x)) == x            # the descriptor keeps its content
+        vy = ns.lookup(BY_HASH_INO, ky.hex().encode())
+        assert vy != vx                                     # another content, another inode
+        assert await read_all(ns, vy, len(y)) == y
+        with pytest.raises(FsError) as e:
+            ns.lookup(BY_HASH_INO, kx.hex().encode())
+        assert err(e) == errno.ENOENT
+        blocks_of_x = ns.views[vx].data.keys()
+        assert all(k in fs.index.entries for k in blocks_of_x)     # pinned by the open view
+        await ns.release(fh)
+        assert ns.views[vx].data is None                   # the last close let go of them
+        assert not any(k in fs.index.entries for k in blocks_of_x)
+        with pytest.raises(FsError) as e:
+            ns.open(vx, os.O_RDONLY)                        # a stale view of gone content
+        assert err(e) == errno.ENOENT
+        ns.forget(vx, 1)
+        ns.forget(vy, 1)
+        ns.forget(ino, 1)
+        assert not ns.views
+    close_and_check(fs)
+
+
+async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    ns = fs.ns
+    alice, bob = (1000, 1000), (2000, 2000)
+    async with running(fs):
+        ns.inodes[ROOT_INO].mode = stat.S_IFDIR | 0o1777
+        home = ns.make(ROOT_INO, b"alice", stat.S_IFDIR | 0o700, *alice)
+        deep = ns.make(home, b"deep", stat.S_IFDIR | 0o755, *alice)
+        files = {}
+        for parent, name, mode in ((home, b"notes", 0o644), (deep, b"key", 0o600), (home, b"wo", 0o200)):
+            ino = ns.make(parent, name, stat.S_IFREG | mode, *alice)
+            fh, _, _ = ns.open(ino, os.O_WRONLY)
+            await ns.write(fh, 0, pattern(len(files) + 10, BS))
+            await ns.fsync(fh)
+            await ns.release(fh)
+            files[name] = ns.inodes[ino].content_key.hex().encode()
+
+        async def names(caller):
+            listing = await ns.view_listing(caller)
+            ns.release_view_listing(listing)
+            return sorted(n for n, _, _ in listing)
+
+        assert await names(alice) == sorted([files[b"notes"], files[b"key"]])
+        assert await names(bob) == []
+        with pytest.raises(FsError) as e:
+            await ns.lookup_view(files[b"notes"], bob)
+        assert err(e) == errno.ENOENT
+        view = await ns.lookup_view(files[b"key"], alice)
+        assert ns.inode(view).uid == 1000 and stat.S_IMODE(ns.inode(view).mode) == 0o400
+        ns.forget(view, 1)
+        ns.inodes[deep].mode = stat.S_IFDIR | 0o644         # alice can no longer search deep/
+        assert await names(alice) == [files[b"notes"]]
+        with pytest.raises(FsError):
+            await ns.lookup_view(files[b"key"], alice)
+        assert await names(None) == sorted(files.values())  # root sees everything
+        assert not ns.views
     close_and_check(fs)
 
 
