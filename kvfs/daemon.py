@@ -77,6 +77,8 @@ class Filesystem:
         device = Device.open(path, readonly=readonly, write_delay=options.write_delay)
         try:
             store = ExtentStore.open(device)
+            if not readonly:
+                store.reserve_metadata_space()
             index = BlockIndex(store)
             cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
                                read_depth=options.read_depth, flush_workers=options.flush_workers)

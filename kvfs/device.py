@@ -209,6 +209,22 @@ class Device:
         with self._lock:
             self._syncs += 1
 
+    def preallocate_sync(self, off, length):
+        """Give a file-backed store real host space for [off, off+length) (no-op on a block device).
+
+        A sparse store file gets host blocks only when written. Metadata must
+        never be the write that finds the host filesystem full: frees become
+        reusable only after a journal commit, so a journal that cannot be
+        written could never make room again.
+        """
+        if self.is_block or length <= 0:
+            return
+        try:
+            os.posix_fallocate(self.fd, off, length)
+        except OSError as exc:
+            raise DeviceError(f"cannot reserve host space for kvfs metadata: {exc.strerror}",
+                              exc.errno) from None
+
     def discard_sync(self, off, length):
         """Tell the device a range is unused (TRIM / hole punch). Best effort."""
         if not self.discard_supported or length <= 0:

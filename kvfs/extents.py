@@ -281,6 +281,13 @@ class ExtentStore:
         self._pending.append(record)
         self._appended += 1
 
+    def reserve_metadata_space(self):
+        """Best effort at mount, for stores made before mkfs did this itself."""
+        try:
+            reserve_metadata_space(self.device, self.sb)
+        except KvfsError as exc:
+            log.warning("%s; a full host filesystem may then stall metadata commits", exc)
+
     def checkpoint_capacity(self):
         """Bytes of state one checkpoint slot holds."""
         return self.sb.checkpoint_len - fmt.SECTOR
@@ -422,4 +429,10 @@ def format_device(device, block_size, now_ns):
     device.pwrite_sync(0, sb.encode() + sb.encode())
     device.sync_sync()
     device.discard_sync(sb.data_off, sb.data_len)
+    reserve_metadata_space(device, sb)
     return sb
+
+
+def reserve_metadata_space(device, sb):
+    """Back the checkpoint slots and the journal with real host space (file-backed stores)."""
+    device.preallocate_sync(sb.checkpoint_a_off, sb.data_off - sb.checkpoint_a_off)

@@ -1,4 +1,8 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from kvfsmount import KvfsMount  # noqa: E402  (tests/ is on sys.path via rootdir conftest)
@@ -34,3 +38,27 @@ def kvfs_factory(tmp_path):
     yield make
     for fs in made:
         fs.teardown()
+
+
+@pytest.fixture
+def shared_kvfs():
+    """Mount factory: an allow_other kvfs whose root (mode 1777) every uid can reach."""
+    made = []
+
+    def make(*options, size="4G"):
+        root = Path(tempfile.mkdtemp(prefix="kvfs-shared-", dir="/tmp"))
+        os.chmod(root, 0o755)
+        fs = KvfsMount(root, size=size, mount_options=["allow_other", *options])
+        made.append((fs, root))
+        fs.mkfs()
+        fs.mount()
+        os.chmod(fs.mnt, 0o1777)
+        return fs
+
+    yield make
+    for fs, root in made:
+        try:
+            fs.teardown()
+        finally:
+            if not fs.mounted:
+                shutil.rmtree(root, ignore_errors=True)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from kvfsmount import KvfsMount
 from test_core_acceptance import pattern, write_file
 
 MiB = 1 << 20
@@ -260,3 +261,137 @@ def test_fragmented_free_space_gives_enospc_to_the_writer_not_the_reader(kvfs_fa
     assert write_or_enospc(fs.mnt / "big", small) == 0
     fs.flush()
     assert (fs.mnt / "big").read_bytes() == small
+
+
+# -- item 3: metadata space; a failed commit never kills the daemon ------------------------
+
+SYMLINK_FLOOD = r"""
+import errno, json, os, sys, time
+root, batches = sys.argv[1], int(sys.argv[2])
+made, error = 0, None
+for batch in range(batches):
+    try:
+        for _ in range(800):
+            os.symlink("t" * 4000, os.path.join(root, f"l{made:06d}"))
+            made += 1
+    except OSError as exc:
+        error = exc.errno
+        break
+    time.sleep(0.5)                # the review's batches, with commits in between
+print(json.dumps({"made": made, "errno": error}))
+"""
+
+
+def test_symlink_flood_by_a_user_gets_enospc_and_the_store_stays_mountable(shared_kvfs):
+    import json
+    fs = shared_kvfs("commit_interval=0.2", size="64M")
+    flood = fs.mnt / "flood"
+    flood.mkdir(mode=0o777)
+    os.chmod(flood, 0o777)
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           "/usr/bin/python3", "-c", SYMLINK_FLOOD, str(flood), "10"],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["errno"] == errno.ENOSPC, result
+    assert result["made"] > 1000
+    stats = fs.stats()                                   # the daemon is alive and says why
+    assert stats["metadata_bytes"] > 0.9 * stats["metadata_capacity"]
+    ffree = os.statvfs(fs.mnt).f_ffree
+    assert ffree < 100
+    with pytest.raises(OSError) as e:               # about f_ffree small entries still fit
+        for i in range(2 * ffree + 2):
+            os.mkdir(fs.mnt / f"small{i}")
+    assert e.value.errno == errno.ENOSPC
+    for i in range(200):
+        os.unlink(flood / f"l{i:06d}")
+    os.mkdir(fs.mnt / "after-deletes")
+    fs.umount()
+    fs.assert_fsck_clean()
+    fs.mount()
+    assert len(os.listdir(flood)) == result["made"] - 200
+    assert (fs.mnt / "after-deletes").is_dir()
+
+
+def test_store_whose_state_already_exceeds_its_checkpoint_slot_mounts(kvfs_factory):
+    """A store left by the old code: journal + checkpoint hold more than one slot."""
+    import trio
+    from unit.helpers import open_fs, running
+
+    fs = kvfs_factory(size="64M")
+    fs.mkfs()
+
+    async def overfill():
+        store = open_fs(fs.device)
+        ns = store.ns
+        async with running(store, persist=False):
+            i = 0
+            while ns.metadata_bytes() < 0.9 * ns.metadata_capacity():
+                ns._emit(["mk", 1, f"l{i:06d}".encode(), ns.next_ino, stat.S_IFLNK | 0o777, 0, 0, 0,
+                          ns.now(), b"t" * 4000])          # straight to the journal: no charge
+                i += 1
+            await store.store.checkpoint()
+            while ns.metadata_bytes() < 1.1 * store.store.checkpoint_capacity():
+                ns._emit(["mk", 1, f"l{i:06d}".encode(), ns.next_ino, stat.S_IFLNK | 0o777, 0, 0, 0,
+                          ns.now(), b"t" * 4000])
+                i += 1
+            await store.store.commit()
+        store.close()
+        return i
+
+    links = trio.run(overfill)
+    fs.mount()                                     # used to die in the post-replay checkpoint
+    assert len(os.listdir(fs.mnt)) == links + 1    # + .kvfs
+    with pytest.raises(OSError) as e:
+        os.symlink("x", fs.mnt / "new")
+    assert e.value.errno == errno.ENOSPC
+    for i in range(600):
+        os.unlink(fs.mnt / f"l{i:06d}")
+    fs.admin("checkpoint", fs.mnt)                 # now it fits
+    os.symlink("x", fs.mnt / "new")
+    fs.umount()
+    fs.assert_fsck_clean()
+    fs.mount()
+    assert len(os.listdir(fs.mnt)) == links - 600 + 2
+
+
+def test_host_enospc_below_a_sparse_store_keeps_the_mount_up(tmp_path):
+    """The store is a sparse file on a small tmpfs: the host runs out before kvfs does.
+
+    mkfs gives the metadata regions real host space, so the journal can always
+    commit the deletes that make room again.
+    """
+    host = tmp_path / "host"
+    host.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80M", "tmpfs", str(host)], check=True)
+    fs = KvfsMount(tmp_path, size="512M")
+    fs.device = host / "store.kvfs"
+    try:
+        fs.mkfs()
+        fs.mount("commit_interval=0.2")
+        kept = pattern(1, 4 * MiB)
+        write_file(fs.mnt / "kept", kept, fsync=True)
+        failed_at = None
+        for i in range(40):
+            try:
+                write_file(fs.mnt / f"fill{i}", pattern(100 + i, 4 * MiB), fsync=True)
+            except OSError as exc:
+                failed_at = (i, exc.errno)
+                break
+        assert failed_at is not None, "the 80 MiB host should fill before 160 MiB of files fit"
+        assert failed_at[1] in (errno.ENOSPC, errno.EIO), failed_at
+        assert fs.stats()["pid"] == fs.pid                # the daemon is still serving
+        assert (fs.mnt / "kept").read_bytes() == kept
+        for i in range(failed_at[0] + 1):
+            if (fs.mnt / f"fill{i}").exists():
+                os.unlink(fs.mnt / f"fill{i}")
+        fs.flush()                                        # frees are discarded: the host has room again
+        write_file(fs.mnt / "after", pattern(7, 2 * MiB), fsync=True)
+        fs.umount()
+        fs.assert_fsck_clean()
+        fs.mount()
+        assert (fs.mnt / "kept").read_bytes() == kept
+        assert (fs.mnt / "after").read_bytes() == pattern(7, 2 * MiB)
+    finally:
+        fs.teardown()
+        subprocess.run(["umount", "-l", str(host)], capture_output=True)

@@ -8,10 +8,8 @@ system Python (``/usr/bin/python3``) with a small probe script.
 import errno
 import json
 import os
-import shutil
 import stat
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -71,30 +69,6 @@ def as_user(uid, *ops):
 
 def one(uid, *op):
     return as_user(uid, op)[0]
-
-
-@pytest.fixture
-def shared_kvfs():
-    """Mount factory: an allow_other kvfs whose root (mode 1777) every uid can reach."""
-    made = []
-
-    def make(*options):
-        root = Path(tempfile.mkdtemp(prefix="kvfs-view-", dir="/tmp"))
-        os.chmod(root, 0o755)
-        fs = KvfsMount(root, mount_options=["allow_other", *options])
-        made.append((fs, root))
-        fs.mkfs()
-        fs.mount()
-        os.chmod(fs.mnt, 0o1777)
-        return fs
-
-    yield make
-    for fs, root in made:
-        try:
-            fs.teardown()
-        finally:
-            if not fs.mounted:
-                shutil.rmtree(root, ignore_errors=True)
 
 
 def by_hash(fs, key=""):
