@@ -96,6 +96,20 @@ def align_down(n, a=SECTOR):
     return n // a * a
 
 
+def check_block_size(block_size):
+    """Raise FormatError unless ``block_size`` is one mkfs may use."""
+    if block_size <= 0 or block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise FormatError(f"block size must be a power of two between "
+                          f"{MIN_BLOCK_SIZE >> 10} KiB and {MAX_BLOCK_SIZE >> 20} MiB, not {block_size}")
+
+
+def check_device_size(device_size):
+    """Raise FormatError if a device of ``device_size`` bytes cannot hold a kvfs."""
+    if device_size < MIN_DEVICE_SIZE:
+        raise FormatError(f"device too small: {device_size} bytes, need at least "
+                          f"{MIN_DEVICE_SIZE >> 20} MiB")
+
+
 class Superblock:
     """Decoded superblock. Field meanings are documented on ``SUPERBLOCK``."""
 
@@ -110,12 +124,8 @@ class Superblock:
     @classmethod
     def create(cls, device_size, block_size=DEFAULT_BLOCK_SIZE, now_ns=0):
         """Compute the layout for a new filesystem of ``device_size`` bytes."""
-        if block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-            raise FormatError(f"block size must be a power of two between "
-                              f"{MIN_BLOCK_SIZE >> 10} KiB and {MAX_BLOCK_SIZE >> 20} MiB")
-        if device_size < MIN_DEVICE_SIZE:
-            raise FormatError(f"device too small: {device_size} bytes, need at least "
-                              f"{MIN_DEVICE_SIZE >> 20} MiB")
+        check_block_size(block_size)
+        check_device_size(device_size)
         # Metadata gets 1/16 of the device (24 MiB .. 16 GiB): enough for ~10^6
         # files per checkpoint slot, and a journal that holds minutes of churn.
         meta = min(max(device_size // 16, 24 << 20), 16 << 30)
