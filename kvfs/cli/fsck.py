@@ -5,7 +5,7 @@ from ..fsck import check
 from . import Parser, tool
 
 
-@tool
+@tool("fsck.kvfs")
 def main(argv):
     p = Parser(prog="fsck.kvfs", description="Check a kvfs device that is not mounted. Exit 0 when "
                "clean, 1 when problems were found (or remain after --repair).")
