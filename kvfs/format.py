@@ -16,10 +16,16 @@ trusting a byte.
 Crash invariants (see docs/format.md for the argument):
 
 * A checkpoint slot is only written while the other slot holds the newest valid
-  checkpoint, so one valid checkpoint always exists.
+  checkpoint, so one valid checkpoint always exists. The payload is written and
+  made durable before the header, so a valid header over a bad payload is
+  damage, never a torn write: with a generation above the slot in use it proves
+  that committed changes would be lost, and mount refuses.
 * Journal frames carry the generation of the checkpoint they follow and a
   sequence number starting at 0. Replay stops at the first frame that is torn,
   has the wrong generation or breaks the sequence: that is the uncommitted tail.
+  Not a tail, and refused by mount: a frame of a generation above the loaded
+  checkpoint's, or a bad frame followed by a valid one with the next sequence
+  number (frames are written one at a time, so only the last can be torn).
 * A journal frame is written only after the data of every block it references
   is durable (the journal writer issues fdatasync before and after the frame).
 """
