@@ -167,18 +167,44 @@ class ExtentStore:
         self.checkpoint_state = {}
         self.replay_records = []
         self.replay_report = {}
+        self.salvage = False
+        self.damage = []                # proofs that loading lost committed changes
+        self.highest_generation = 0     # newest generation seen in any slot header or frame
+        self._newer_frames_reported = False
 
     # -- opening ----------------------------------------------------------
     @classmethod
-    def open(cls, device):
-        """Read superblock, newest checkpoint and the committed journal (synchronously)."""
+    def open(cls, device, *, salvage=False):
+        """Read superblock, newest checkpoint and the committed journal (synchronously).
+
+        Durable state can prove that a newer generation than the loaded one
+        existed (a newer checkpoint whose payload is corrupt, journal frames of a
+        newer generation) or that a committed frame was lost (a corrupt frame
+        followed by its successor). Loading would then silently roll back
+        committed changes, so ``open`` raises FormatError. With ``salvage``
+        (fsck) it loads what it can instead: ``damage`` lists the proofs,
+        ``replay_records`` holds every record that may still apply, and
+        ``highest_generation`` is the newest generation seen anywhere, which a
+        repair checkpoint must exceed.
+        """
         sb = read_superblock(device)
         store = cls(device, sb)
+        store.salvage = salvage
         store._load_checkpoint()
         store._load_journal()
+        if salvage:
+            store._scan_journal_generations()
+        if store.damage and not salvage:
+            raise FormatError(f"{device.path}: {store.damage[0]}; mounting would silently lose "
+                              f"committed changes: run fsck.kvfs --repair to recover what can be "
+                              f"recovered")
         return store
 
     def _read_slot(self, slot):
+        """(generation, payload) of a slot; payload None if its header is valid but the payload is not.
+
+        None when the slot holds no valid header at all (zeroed, or a torn header write).
+        """
         off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
         header = fmt.decode_checkpoint_header(self.device.pread_sync(off, fmt.SECTOR), self.sb.checkpoint_len,
                                                self.sb.hash_seed)
@@ -187,17 +213,28 @@ class ExtentStore:
         generation, length, digest = header
         payload = self.device.pread_sync(off + fmt.SECTOR, length)
         if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
-            log.warning("checkpoint slot %s (generation %s) is torn; ignoring it", "AB"[slot], generation)
-            return None
+            return generation, None
         return generation, payload
 
     def _load_checkpoint(self):
-        slots = [(self._read_slot(s), s) for s in (0, 1)]
-        valid = [(found[0], slot, found[1]) for found, slot in slots if found]
+        found = {slot: self._read_slot(slot) for slot in (0, 1)}
+        valid = [(got[0], slot, got[1]) for slot, got in found.items() if got and got[1] is not None]
         if not valid:
             raise FormatError("no valid checkpoint in either slot: the metadata is corrupt "
                               "(fsck.kvfs cannot rebuild it; the data blocks are unreadable without it)")
         self.generation, self._active_slot, payload = max(valid)
+        self.highest_generation = max(got[0] for got in found.values() if got)
+        for slot, got in found.items():
+            if got and got[1] is None:
+                # The header is written only after the payload is durable, so a
+                # valid header over a bad payload is damage, not a torn write.
+                if got[0] > self.generation:
+                    self.damage.append(f"checkpoint slot {'AB'[slot]} holds generation {got[0]}, newer than "
+                                       f"generation {self.generation} in slot {'AB'[self._active_slot]}, "
+                                       f"but its payload fails its checksum")
+                else:
+                    log.warning("checkpoint slot %s (generation %s, older than the one in use) is damaged; "
+                                "the next checkpoint overwrites it", "AB"[slot], got[0])
         try:
             self.checkpoint_state = msgpack.unpackb(payload, strict_map_key=False)
         except Exception as exc:
@@ -207,45 +244,128 @@ class ExtentStore:
                                    [tuple(e) for e in free] if free is not None else None,
                                    slot=self.sb.block_size)
 
-    def _load_journal(self):
-        """Collect records of the committed journal prefix; stop at the first bad frame."""
+    def _journal_reader(self):
+        """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""
         base, limit = self.sb.journal_off, self.sb.journal_len
+        window = [0, b""]
+
+        def read(cursor, size):
+            size = min(size, limit - cursor)
+            if not (window[0] <= cursor and cursor + size <= window[0] + len(window[1])):
+                window[0] = cursor
+                window[1] = self.device.pread_sync(base + cursor, min(max(JOURNAL_READ_WINDOW, size),
+                                                                      limit - cursor))
+            return window[1][cursor - window[0]:cursor - window[0] + size]
+        return read
+
+    def _frame_at(self, read, cursor):
+        """(header, payload-if-its-hash-matches) of the frame at ``cursor``; header None if there is none."""
+        limit = self.sb.journal_len
+        if cursor + fmt.SECTOR > limit:
+            return None, None
+        header = fmt.decode_journal_header(read(cursor, fmt.SECTOR), self.sb.hash_seed)
+        if header is None:
+            return None, None
+        generation, frame_seq, length, digest = header
+        size = fmt.frame_size(length)
+        if cursor + size > limit:
+            return header, None
+        payload = read(cursor + fmt.JOURNAL_FRAME.size, length)
+        if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
+            return header, None
+        return header, payload
+
+    def _load_journal(self):
+        """Collect records of the committed journal prefix; stop at the first bad frame.
+
+        A bad frame is the uncommitted tail only if nothing committed follows it:
+        a corrupt frame followed by a valid frame of the same generation with the
+        next sequence number was itself committed (frames are written one at a
+        time, each after the previous one is durable), so it is damage. Frames of
+        a generation newer than the checkpoint's prove a newer checkpoint existed.
+        In salvage mode replay goes on after a corrupt committed frame, and a
+        journal of a newer generation is replayed on top of the older checkpoint.
+        """
+        read = self._journal_reader()
+        generation = self.generation
         cursor, seq, records, stop = 0, 0, [], "end of journal region"
-        window_off, window = 0, b""
-        while cursor + fmt.SECTOR <= limit:
-            if not (window_off <= cursor and cursor + fmt.SECTOR <= window_off + len(window)):
-                window_off = cursor
-                window = self.device.pread_sync(base + cursor, min(JOURNAL_READ_WINDOW, limit - cursor))
-            header = fmt.decode_journal_header(window[cursor - window_off:], self.sb.hash_seed)
+        lost_frames = 0
+        while True:
+            header, payload = self._frame_at(read, cursor)
             if header is None:
-                stop = "no further frame"
+                stop = "no further frame" if cursor + fmt.SECTOR <= self.sb.journal_len else stop
                 break
-            generation, frame_seq, length, digest = header
-            if generation != self.generation or frame_seq != seq:
+            frame_generation, frame_seq, length, _ = header
+            if frame_generation > self.generation and cursor == 0 and seq == 0:
+                self._newer_frames_reported = True
+                self.damage.append(f"the journal holds frames of generation {frame_generation}, newer than "
+                                   f"the checkpoint in use (generation {self.generation})")
+                self.highest_generation = max(self.highest_generation, frame_generation)
+                if not self.salvage:
+                    stop = "frame of a newer generation"
+                    break
+                generation = frame_generation
+            if frame_generation != generation or frame_seq != seq:
+                if frame_generation > self.generation:
+                    self._newer_frames_reported = True
+                    self.damage.append(f"journal frame at offset {cursor} belongs to generation "
+                                       f"{frame_generation}, newer than the checkpoint in use "
+                                       f"(generation {self.generation})")
+                    self.highest_generation = max(self.highest_generation, frame_generation)
                 stop = "frame of another generation"
                 break
             size = fmt.frame_size(length)
-            if cursor + size > limit:
-                stop = "frame overruns the journal region (torn)"
-                break
-            if cursor + size > window_off + len(window):
-                window_off = cursor
-                window = self.device.pread_sync(base + cursor, min(max(JOURNAL_READ_WINDOW, size), limit - cursor))
-            start = cursor - window_off + fmt.JOURNAL_FRAME.size
-            payload = window[start:start + length]
-            if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
-                stop = "torn frame (payload checksum mismatch): uncommitted tail dropped"
-                break
-            try:
-                records.extend(msgpack.unpackb(payload, strict_map_key=False))
-            except Exception:
-                stop = "frame payload does not decode: uncommitted tail dropped"
-                break
+            decoded = None
+            if payload is not None:
+                try:
+                    decoded = msgpack.unpackb(payload, strict_map_key=False)
+                except Exception:
+                    decoded = None
+            if decoded is None:
+                follower, follower_payload = self._frame_at(read, cursor + size)
+                if follower is None or follower[:2] != (generation, seq + 1) or follower_payload is None:
+                    stop = ("torn frame (payload checksum mismatch): uncommitted tail dropped" if payload is None
+                            else "frame payload does not decode: uncommitted tail dropped")
+                    if cursor + size > self.sb.journal_len:
+                        stop = "frame overruns the journal region (torn)"
+                    break
+                self.damage.append(f"journal frame {seq} of generation {generation} is corrupt, but the "
+                                   f"frame after it was committed")
+                if not self.salvage:
+                    stop = "corrupt committed frame"
+                    break
+                lost_frames += 1
+            else:
+                records.extend(decoded)
             cursor += size
             seq += 1
         self._journal_cursor, self._frame_seq = cursor, seq
         self.replay_records = records
         self.replay_report = {"frames": seq, "records": len(records), "bytes": cursor, "stopped": stop}
+        if lost_frames:
+            self.replay_report["lost_frames"] = lost_frames
+
+    def _scan_journal_generations(self):
+        """Salvage only: find frames of newer generations anywhere in the journal region.
+
+        Every sector that starts a valid frame header is looked at (skipping the
+        body of each frame found), so stale frames beyond the replayed prefix
+        count too. Costs one read of the journal region.
+        """
+        read = self._journal_reader()
+        cursor, newer = 0, []
+        while cursor + fmt.SECTOR <= self.sb.journal_len:
+            header = fmt.decode_journal_header(read(cursor, fmt.SECTOR), self.sb.hash_seed)
+            if header is None:
+                cursor += fmt.SECTOR
+                continue
+            self.highest_generation = max(self.highest_generation, header[0])
+            if header[0] > self.generation:
+                newer.append(header[0])
+            cursor += fmt.frame_size(header[2])
+        if newer and not self._newer_frames_reported:
+            self.damage.append(f"the journal holds {len(newer)} frame(s) of generation {max(newer)}, "
+                               f"newer than the checkpoint in use (generation {self.generation})")
 
     def finish_replay(self):
         """Called once upper layers have applied the replayed records."""
@@ -344,9 +464,7 @@ class ExtentStore:
         generation = self.generation + 1
         try:
             await self.device.sync()
-            await self.device.pwrite(off, fmt.encode_checkpoint_header(generation, payload, self.sb.hash_seed)
-                                     + payload)
-            await self.device.sync()
+            await self._write_slot(off, generation, payload)
         except BaseException:
             self._pending = records + self._pending
             raise
@@ -354,6 +472,21 @@ class ExtentStore:
         self._journal_cursor = self._frame_seq = 0
         self._checkpoints += 1
         await self._made_durable(upto)
+
+    async def _write_slot(self, off, generation, payload):
+        """Write a checkpoint into the slot at ``off``: the payload, and only once it is durable, the header.
+
+        A crash during the payload write leaves the slot's old header (an older
+        generation) over a half-written payload; a crash during the one-sector
+        header write leaves no valid header. Either way the slot does not claim
+        the new generation, so a valid header over a bad payload always means
+        damage after the fact, which the loader may treat as proof that this
+        generation existed.
+        """
+        await self.device.pwrite(off + fmt.SECTOR, payload)
+        await self.device.sync()
+        await self.device.pwrite(off, fmt.encode_checkpoint_header(generation, payload, self.sb.hash_seed))
+        await self.device.sync()
 
     async def _made_durable(self, upto):
         """Records up to ``upto`` are durable: discard and then reuse what they freed.

@@ -16,10 +16,16 @@ trusting a byte.
 Crash invariants (see docs/format.md for the argument):
 
 * A checkpoint slot is only written while the other slot holds the newest valid
-  checkpoint, so one valid checkpoint always exists.
+  checkpoint, so one valid checkpoint always exists. The payload is written and
+  made durable before the header, so a valid header over a bad payload is
+  damage, never a torn write: with a generation above the slot in use it proves
+  that committed changes would be lost, and mount refuses.
 * Journal frames carry the generation of the checkpoint they follow and a
   sequence number starting at 0. Replay stops at the first frame that is torn,
   has the wrong generation or breaks the sequence: that is the uncommitted tail.
+  Not a tail, and refused by mount: a frame of a generation above the loaded
+  checkpoint's, or a bad frame followed by a valid one with the next sequence
+  number (frames are written one at a time, so only the last can be torn).
 * A journal frame is written only after the data of every block it references
   is durable (the journal writer issues fdatasync before and after the frame).
 """
@@ -96,6 +102,20 @@ def align_down(n, a=SECTOR):
     return n // a * a
 
 
+def check_block_size(block_size):
+    """Raise FormatError unless ``block_size`` is one mkfs may use."""
+    if block_size <= 0 or block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise FormatError(f"block size must be a power of two between "
+                          f"{MIN_BLOCK_SIZE >> 10} KiB and {MAX_BLOCK_SIZE >> 20} MiB, not {block_size}")
+
+
+def check_device_size(device_size):
+    """Raise FormatError if a device of ``device_size`` bytes cannot hold a kvfs."""
+    if device_size < MIN_DEVICE_SIZE:
+        raise FormatError(f"device too small: {device_size} bytes, need at least "
+                          f"{MIN_DEVICE_SIZE >> 20} MiB")
+
+
 class Superblock:
     """Decoded superblock. Field meanings are documented on ``SUPERBLOCK``."""
 
@@ -110,12 +130,8 @@ class Superblock:
     @classmethod
     def create(cls, device_size, block_size=DEFAULT_BLOCK_SIZE, now_ns=0):
         """Compute the layout for a new filesystem of ``device_size`` bytes."""
-        if block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-            raise FormatError(f"block size must be a power of two between "
-                              f"{MIN_BLOCK_SIZE >> 10} KiB and {MAX_BLOCK_SIZE >> 20} MiB")
-        if device_size < MIN_DEVICE_SIZE:
-            raise FormatError(f"device too small: {device_size} bytes, need at least "
-                              f"{MIN_DEVICE_SIZE >> 20} MiB")
+        check_block_size(block_size)
+        check_device_size(device_size)
         # Metadata gets 1/16 of the device (24 MiB .. 16 GiB): enough for ~10^6
         # files per checkpoint slot, and a journal that holds minutes of churn.
         meta = min(max(device_size // 16, 24 << 20), 16 << 30)

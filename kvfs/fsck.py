@@ -34,10 +34,13 @@ log = logging.getLogger(__name__)
 
 
 class Report:
+    """What a check found. Every text is one line; the CLI prints each under its prefix."""
+
     def __init__(self):
         self.problems = []
         self.notes = []
         self.repairs = []
+        self.lost = []             # what a repair could not recover
 
     def problem(self, text):
         self.problems.append(text)
@@ -45,6 +48,48 @@ class Report:
     @property
     def clean(self):
         return not self.problems
+
+
+class _LogToReport(logging.Handler):
+    """Loader and layer warnings during a check become report notes, not bare stderr lines."""
+
+    def __init__(self, report):
+        super().__init__(logging.WARNING)
+        self.report = report
+
+    def emit(self, record):
+        self.report.notes.append(f"{record.levelname.lower()}: {record.getMessage()}")
+
+
+class _SalvagingNamespace(Namespace):
+    """A namespace that, while ``salvaging``, skips replayed records that do not apply.
+
+    Used only when durable state proves that records were lost: the records
+    after the loss were written against a state fsck no longer has, so some of
+    them name inodes, names or extents that do not exist (or are taken). A
+    skipped record may have applied partly; the checks after loading find and
+    repair what that left behind (references are recounted, the free map is
+    rebuilt, unreachable inodes dropped).
+    """
+
+    salvaging = False
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.skipped = 0
+
+    def apply(self, rec):
+        if not self.salvaging:
+            return super().apply(rec)
+        try:
+            super().apply(rec)
+        except Exception:               # noqa: BLE001 - any record that does not apply is skipped
+            self.skipped += 1
+
+
+def show(path):
+    """A byte path for display; never decoded back (names are bytes end to end)."""
+    return path.decode("utf-8", "backslashreplace")
 
 
 def restore_superblock_from_backup(device):
@@ -57,6 +102,16 @@ def restore_superblock_from_backup(device):
 def check(path, *, repair=False, verify_data=True):
     """Check (and optionally repair) the kvfs on ``path``. Returns a Report."""
     report = Report()
+    collector = _LogToReport(report)
+    kvfs_log = logging.getLogger("kvfs")
+    kvfs_log.addHandler(collector)
+    try:
+        return _check(path, report, repair, verify_data)
+    finally:
+        kvfs_log.removeHandler(collector)
+
+
+def _check(path, report, repair, verify_data):
     device = Device.open(path, readonly=not repair)
     try:
         head = device.pread_sync(0, 2 * fmt.SECTOR)
@@ -72,22 +127,34 @@ def check(path, *, repair=False, verify_data=True):
             if repair:
                 device.pwrite_sync(fmt.SECTOR, device.pread_sync(0, fmt.SECTOR))
                 report.repairs.append("rewrote the backup superblock")
-        store = ExtentStore.open(device)
+        store = ExtentStore.open(device, salvage=True)
         report.notes.append(f"journal: {store.replay_report}")
+        for damage in store.damage:
+            report.problem(f"{damage}: committed changes were lost; mount refuses this store")
         index = BlockIndex(store)
         cache = BlockCache(index, cache_size=64 << 20, dirty_limit=32 << 20)
-        ns = Namespace(cache, store)
+        ns = _SalvagingNamespace(cache, store)
+        ns.salvaging = bool(store.damage)
         try:
             ns.load(store.checkpoint_state, store.replay_records)
         except Exception as exc:
             raise FormatError(f"journal replay failed: {exc!r}") from None
+        ns.salvaging = False
+        if store.damage:
+            _account_losses(store, ns, report)
         store.finish_replay()
         store.set_snapshot_source(ns.snapshot)
+        named = _count_names(ns)          # before any repair removes a file
         _check_tree(ns, report, repair)
         bad_keys = _check_data(index, report, verify_data)
-        _check_blocks(ns, index, report, repair, bad_keys)
-        _check_space(store, index, report, repair)
+        _check_space(store, index, report)
+        _check_blocks(ns, index, report, repair, bad_keys, named)
+        if repair:
+            _rebuild_free_map(store, index)
         if repair and (report.problems or report.repairs):
+            # Above every generation seen: a newer generation's leftover frames
+            # must never replay on top of the repaired state.
+            store.generation = max(store.generation, store.highest_generation)
             trio.run(store.checkpoint)
             report.repairs.append(f"wrote checkpoint generation {store.generation}")
         return report
@@ -95,22 +162,51 @@ def check(path, *, repair=False, verify_data=True):
         device.close()
 
 
+def _account_losses(store, ns, report):
+    lost_frames = store.replay_report.get("lost_frames", 0)
+    applied = len(store.replay_records) - ns.skipped
+    if store.generation < store.highest_generation:
+        report.lost.append(f"changes made between checkpoint generation {store.generation} and "
+                           f"generation {store.highest_generation} (they were in a damaged checkpoint or in "
+                           f"journal frames since overwritten)")
+    if lost_frames:
+        report.lost.append(f"{lost_frames} corrupt journal frame(s) and the records in them")
+    if ns.skipped:
+        report.lost.append(f"{ns.skipped} of {len(store.replay_records)} replayed record(s) that no longer "
+                           f"apply were skipped; {applied} applied")
+    elif store.replay_records:
+        report.notes.append(f"all {applied} replayed record(s) after the loss applied")
+
+
 def _paths(ns):
-    """inode -> list of paths, walking from the root (also marks reachability)."""
+    """inode -> list of (path, parent inode, name), walking from the root; paths are bytes."""
     paths = collections.defaultdict(list)
-    paths[ROOT_INO].append("/")
-    todo = [(ROOT_INO, "")]
+    paths[ROOT_INO].append((b"/", None, None))
+    todo = [(ROOT_INO, b"")]
     seen = {ROOT_INO}
     while todo:
         ino, prefix = todo.pop()
         for name, (child, _) in list(ns.inodes[ino].entries.by_name.items()):
-            path = f"{prefix}/{name.decode(errors='replace')}"
-            paths[child].append(path)
+            path = prefix + b"/" + name
+            paths[child].append((path, ino, name))
             node = ns.inodes.get(child)
             if node is not None and node.is_dir and child not in seen:
                 seen.add(child)
                 todo.append((child, path))
     return paths
+
+
+def _forget_inode(ns, inode):
+    """Take an inode out of the namespace without touching block references.
+
+    fsck recounts every reference from the remaining files afterwards, so the
+    inode's blocks (some of which may be missing from the index) need no
+    dereferencing here.
+    """
+    ns.inodes.pop(inode.ino, None)
+    if inode.is_file:
+        ns._forget_content_key(inode)
+        inode.committed = []
 
 
 def _check_tree(ns, report, repair):
@@ -145,11 +241,12 @@ def _check_tree(ns, report, repair):
         if ino != ROOT_INO and ino not in paths:
             report.problem(f"inode {ino} is not reachable from the root")
             if repair:
-                ns._drop_inode(inode)
+                _forget_inode(ns, inode)
             continue
         want = 2 + subdirs[ino] if inode.is_dir else links[ino]
         if inode.nlink != want:
-            report.problem(f"{paths[ino][0] if paths[ino] else ino}: link count {inode.nlink}, expected {want}")
+            where = show(paths[ino][0][0]) if paths[ino] else ino
+            report.problem(f"{where}: link count {inode.nlink}, expected {want}")
             if repair:
                 inode.nlink = want
     ns.paths = paths
@@ -178,8 +275,16 @@ def _check_data(index, report, verify_data):
     return bad
 
 
-def _check_blocks(ns, index, report, repair, bad_keys):
+def _count_names(ns):
+    """How many times the files' durable contents name each key."""
     counted = collections.Counter()
+    for inode in ns.inodes.values():
+        if inode.is_file:
+            counted.update(k for k in inode.committed if k is not None)
+    return counted
+
+
+def _check_blocks(ns, index, report, repair, bad_keys, named):
     damaged = []
     for inode in ns.inodes.values():
         if not inode.is_file:
@@ -189,23 +294,27 @@ def _check_blocks(ns, index, report, repair, bad_keys):
         if missing or any(k in bad_keys for k in keys):
             damaged.append(inode)
             what = "missing" if missing else "corrupt"
-            for path in ns.paths.get(inode.ino, [str(inode.ino)]):
-                report.problem(f"{path}: has {what} blocks; reading it gives EIO")
-        counted.update(k for k in keys if k in index.entries)
+            for path, _, _ in ns.paths.get(inode.ino, []) or [(str(inode.ino).encode(), None, None)]:
+                report.problem(f"{show(path)}: has {what} blocks; reading it gives EIO")
     if repair:
         for inode in damaged:
-            # Missing keys cannot be dereferenced when the file goes.
-            inode.committed = [k if k in index.entries else None for k in inode.committed]
-            for path in ns.paths.get(inode.ino, []):
-                _remove_path(ns, path)
-            report.repairs.append(f"removed damaged file {', '.join(ns.paths.get(inode.ino, [])) or inode.ino}")
-        counted = collections.Counter()
-        for inode in ns.inodes.values():
-            if inode.is_file:
-                counted.update(k for k in inode.committed if k is not None)
+            # The file goes as a whole, every name of it, in this pass; its
+            # blocks are never turned into holes.
+            names = ns.paths.get(inode.ino, [])
+            now = ns.now()
+            for _, parent, name in names:
+                directory = ns.inodes.get(parent)
+                if directory is not None and directory.entries.get(name) == inode.ino:
+                    directory.entries.remove(name)
+                    directory.mtime = directory.ctime = now
+            _forget_inode(ns, inode)
+            shown = ", ".join(show(p) for p, _, _ in names) or f"inode {inode.ino}"
+            report.repairs.append(f"removed damaged file {shown}")
+            report.lost.append(f"damaged file {shown}")
+    counted = _count_names(ns)            # after the repair above removed files
     for key, entry in list(index.entries.items()):
-        if entry.refs != counted[key]:
-            report.problem(f"block {key.hex()}: reference count {entry.refs}, files name it {counted[key]} times")
+        if key not in bad_keys and entry.refs != named[key]:
+            report.problem(f"block {key.hex()}: reference count {entry.refs}, files name it {named[key]} times")
         if repair:
             if counted[key] == 0 or key in bad_keys:
                 del index.entries[key]
@@ -215,17 +324,8 @@ def _check_blocks(ns, index, report, repair, bad_keys):
                 entry.pins = 0
 
 
-def _remove_path(ns, path):
-    parts = path.strip("/").split("/")
-    ino = ROOT_INO
-    for part in parts[:-1]:
-        ino = ns.inodes[ino].entries.get(part.encode())
-    name = parts[-1].encode()
-    if ns.inodes.get(ino) and ns.inodes[ino].entries.get(name) is not None:
-        ns._emit(["rm", ino, name, ns.now()])
-
-
-def _check_space(store, index, report, repair):
+def _check_space(store, index, report):
+    """Block extents and free extents must tile the data region exactly."""
     sb = store.sb
     used = sorted((e.off, _aligned(e.length)) for e in index.entries.values())
     free = store.allocator.extents()
@@ -238,13 +338,18 @@ def _check_space(store, index, report, repair):
         cursor = max(cursor, off + n)
     if cursor != sb.data_off + sb.data_len:
         report.problem(f"space map ends at {cursor}, data region ends at {sb.data_off + sb.data_len}")
-    if repair:
-        complement, cursor = [], sb.data_off
-        for off, n in used:
-            if off > cursor:
-                complement.append((cursor, off - cursor))
-            cursor = max(cursor, off + n)
-        if cursor < sb.data_off + sb.data_len:
-            complement.append((cursor, sb.data_off + sb.data_len - cursor))
-        store.allocator = Allocator(sb.data_off, sb.data_len, complement)
-        store._pending_frees = []
+
+
+def _rebuild_free_map(store, index):
+    """Repair: the free map becomes the exact complement of the remaining block extents."""
+    sb = store.sb
+    used = sorted((e.off, _aligned(e.length)) for e in index.entries.values())
+    complement, cursor = [], sb.data_off
+    for off, n in used:
+        if off > cursor:
+            complement.append((cursor, off - cursor))
+        cursor = max(cursor, off + n)
+    if cursor < sb.data_off + sb.data_len:
+        complement.append((cursor, sb.data_off + sb.data_len - cursor))
+    store.allocator = Allocator(sb.data_off, sb.data_len, complement)
+    store._pending_frees = []

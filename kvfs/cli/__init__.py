@@ -28,24 +28,64 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
 
 
-def tool(fn):
-    """Run a CLI main; KvfsError/OSError become 'prog: message' and exit 1."""
-    @functools.wraps(fn)
-    def main(argv=None):
-        prog = fn.__module__.rsplit(".", 1)[-1]
-        prog = {"mkfs": "mkfs.kvfs", "mount": "mount.kvfs", "fsck": "fsck.kvfs", "admin": "kvfs-admin"}.get(prog, prog)
-        try:
-            return fn(sys.argv[1:] if argv is None else argv) or 0
-        except KvfsError as exc:
-            print(f"{prog}: {exc}", file=sys.stderr)
-            return 1
-        except OSError as exc:
-            where = f"{exc.filename}: " if exc.filename else ""
-            print(f"{prog}: {where}{exc.strerror or exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 130
-    return main
+def root_cause(exc):
+    """The exception that really ended a command, with trio's exception groups unwrapped.
+
+    A failure inside a nursery arrives as a (Base)ExceptionGroup, possibly nested;
+    the user wants the error inside it. Cancellations caused by that error are
+    skipped, so the first leaf that is not ``trio.Cancelled`` is returned.
+    """
+    while isinstance(exc, BaseExceptionGroup):
+        leaves = list(exc.exceptions)
+        real = [e for e in leaves if type(e).__name__ != "Cancelled"]
+        exc = (real or leaves)[0]
+    return exc
+
+
+def describe(exc):
+    """One line for ``exc`` (after :func:`root_cause`), for 'prog: <line>'."""
+    exc = root_cause(exc)
+    if isinstance(exc, KvfsError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}"
+    text = " ".join(str(exc).split())
+    return f"internal error: {type(exc).__name__}{': ' + text if text else ''}"
+
+
+def tool(prog):
+    """Decorate a CLI main run as ``prog``; every failure becomes one 'prog: message' line on stderr and exit 1.
+
+    KvfsError and OSError are expected failures. Anything else is a bug, but it
+    still gets one line (its traceback goes to the log, if logging is set up to a
+    file); an ExceptionGroup is unwrapped to the error inside it first.
+    """
+    def wrap(fn):
+        @functools.wraps(fn)
+        def main(argv=None):
+            try:
+                return fn(sys.argv[1:] if argv is None else argv) or 0
+            except SystemExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the one place errors become messages
+                cause = root_cause(exc)
+                if isinstance(cause, KeyboardInterrupt):
+                    return 130
+                if isinstance(cause, SystemExit):
+                    raise cause from None
+                if not isinstance(cause, (KvfsError, OSError)):
+                    _log_to_file(prog, exc)
+                print(f"{prog}: {describe(cause)}", file=sys.stderr)
+                return 1
+        return main
+    return wrap
+
+
+def _log_to_file(prog, exc):
+    """Keep the traceback of an unexpected error, but only where a log file is configured."""
+    if any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers):
+        logging.getLogger(prog).error("unexpected error", exc_info=exc)
 
 
 def setup_logging(level=logging.INFO, path=None, tag="kvfs"):

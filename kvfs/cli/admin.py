@@ -93,7 +93,7 @@ def print_stats(stats):
         print(f"{name:<{width}}  {shown}")
 
 
-@tool
+@tool("kvfs-admin")
 def main(argv):
     p = Parser(prog="kvfs-admin", description="Inspect and control a mounted kvfs.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)

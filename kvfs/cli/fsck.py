@@ -5,35 +5,49 @@ from ..fsck import check
 from . import Parser, tool
 
 
-@tool
+@tool("fsck.kvfs")
 def main(argv):
     p = Parser(prog="fsck.kvfs", description="Check a kvfs device that is not mounted. Exit 0 when "
-               "clean, 1 when problems were found (or remain after --repair).")
+               "clean (or clean after --repair), 1 when problems were found (or remain after --repair). "
+               "Output lines start with note:, PROBLEM:, repaired:, lost: or STILL BROKEN:; the last "
+               "line is the verdict. Errors are one line on stderr.")
     p.add_argument("--repair", action="store_true",
                    help="make the store consistent: drop what cannot be trusted, keep the rest")
     p.add_argument("--no-data", action="store_true", help="skip reading back and verifying every block")
     p.add_argument("device")
     args = p.parse_args(argv)
     report = check(args.device, repair=args.repair, verify_data=not args.no_data)
-    for note in report.notes:
-        print(f"note: {note}")
-    for problem in report.problems:
-        print(f"PROBLEM: {problem}")
-    for repair in report.repairs:
-        print(f"repaired: {repair}")
+    print_report(report)
     if report.repairs:
         after = check(args.device)
         if not after.clean:
             for problem in after.problems:
                 print(f"STILL BROKEN: {problem}")
             return 1
-        print(f"{args.device}: repaired; the store now checks clean")
+        if report.lost:
+            print(f"{args.device}: repaired with losses (see 'lost:' above); the store now checks clean")
+        else:
+            print(f"{args.device}: repaired; the store now checks clean")
         return 0
     if report.clean:
         print(f"{args.device}: clean")
         return 0
     print(f"{args.device}: {len(report.problems)} problem(s); run fsck.kvfs --repair to fix")
     return 1
+
+
+def print_report(report):
+    """The one output format: every line on stdout starts with its kind.
+
+    ``note:`` information (journal replay, warnings of the loader and the
+    layers), ``PROBLEM:`` an inconsistency, ``repaired:`` what --repair did,
+    ``lost:`` what --repair could not recover, ``STILL BROKEN:`` a problem the
+    re-check after a repair still finds; the last line is the verdict.
+    """
+    for prefix, lines in (("note", report.notes), ("PROBLEM", report.problems),
+                          ("repaired", report.repairs), ("lost", report.lost)):
+        for line in lines:
+            print(f"{prefix}: {line}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import argparse
 import errno
 import logging
+import math
 import os
 import shutil
 import sys
@@ -10,7 +11,7 @@ import trio
 
 from ..daemon import Daemon, Filesystem, MountOptions
 from ..errors import KvfsError
-from . import Parser, parse_size, setup_logging, tool
+from . import Parser, describe, parse_size, root_cause, setup_logging, tool
 from .mkfs import make_filesystem
 
 DEFAULT_STORE = "/var/lib/kvfs/default.kvfs"
@@ -22,46 +23,94 @@ IGNORED_OPTIONS = {"rw", "defaults", "auto", "noauto", "nouser", "user", "users"
                    "nofail", "async", "default_permissions"}
 SIZE_OPTIONS = {"cache_size", "dirty_limit"}
 INT_OPTIONS = {"read_depth", "flush_workers", "max_tasks", "read_ahead_kb"}
-FLOAT_OPTIONS = {"commit_interval"}
+FLAG_OPTIONS = {"allow_other"}
+# The shortest commit interval: below it the commit loop would spin (0 was a busy
+# loop at 89% CPU) and group commit stops grouping anything.
+MIN_COMMIT_INTERVAL = 0.05
+MAX_COMMIT_INTERVAL = 24 * 3600.0
+MAX_WRITE_DELAY_MS = 60_000
+
+
+def _number(kind, value):
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError("is not a number" if kind is float else "is not a whole number") from None
+
+
+def _positive_int(value):
+    number = _number(int, value)
+    if number <= 0:
+        raise ValueError("must be a positive whole number")
+    return number
+
+
+def _seconds(value):
+    number = _number(float, value)
+    if not (math.isfinite(number) and MIN_COMMIT_INTERVAL <= number <= MAX_COMMIT_INTERVAL):
+        raise ValueError(f"must be from {MIN_COMMIT_INTERVAL} to {MAX_COMMIT_INTERVAL:g} seconds")
+    return number
+
+
+def _delay_ms(value):
+    number = _number(float, value)
+    if not (math.isfinite(number) and 0 <= number <= MAX_WRITE_DELAY_MS):
+        raise ValueError(f"must be from 0 to {MAX_WRITE_DELAY_MS} milliseconds")
+    return number / 1000
 
 
 def parse_options(text):
-    """Turn '-o a,b=c' into MountOptions plus the log path; unknown options are errors."""
+    """Turn '-o a,b=c' into MountOptions plus the log path.
+
+    Every value is checked here, before anything is created or mounted; an
+    unknown option or a bad value is a KvfsError (EINVAL) with a one-line message.
+    """
     opts = MountOptions.defaults()
     log_path = None
-    dirty_given = False
+    given = set()
     for item in filter(None, (text or "").split(",")):
-        name, _, value = item.partition("=")
+        name, has_value, value = item.partition("=")
+        if name in IGNORED_OPTIONS or name.startswith("x-") or name == "comment":
+            continue
+        if name == "ro":
+            raise KvfsError("read-only mounts are not supported (option 'ro')", errno.EINVAL)
+        if name in FLAG_OPTIONS:
+            if has_value:
+                raise KvfsError(f"mount option {name!r} takes no value", errno.EINVAL)
+            setattr(opts, name, True)
+            continue
+        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "write_delay_ms", "log", "by_hash"}
+        if name not in known:
+            raise KvfsError(f"unknown mount option {name!r}", errno.EINVAL)
+        if not value:
+            raise KvfsError(f"mount option {name!r} needs a value ({name}=...)", errno.EINVAL)
         try:
-            if name in IGNORED_OPTIONS or name.startswith("x-") or name.startswith("comment="):
-                continue
-            if name == "allow_other":
-                opts.allow_other = True
-            elif name in SIZE_OPTIONS:
+            if name in SIZE_OPTIONS:
                 setattr(opts, name, parse_size(value))
-                dirty_given |= name == "dirty_limit"
             elif name in INT_OPTIONS:
-                setattr(opts, name, int(value))
-                if int(value) <= 0:
-                    raise ValueError
-            elif name in FLOAT_OPTIONS:
-                setattr(opts, name, float(value))
+                setattr(opts, name, _positive_int(value))
+            elif name == "commit_interval":
+                opts.commit_interval = _seconds(value)
             elif name == "by_hash":
                 if value not in ("root", "owner"):
-                    raise ValueError
+                    raise ValueError("(use root or owner)")
                 opts.by_hash = value
             elif name == "write_delay_ms":
-                opts.write_delay = float(value) / 1000
-            elif name == "log":
-                log_path = value
-            elif name == "ro":
-                raise KvfsError("read-only mounts are not supported (option 'ro')", errno.EINVAL)
+                opts.write_delay = _delay_ms(value)
             else:
-                raise KvfsError(f"unknown mount option {name!r}", errno.EINVAL)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise KvfsError(f"bad value for mount option {name!r}: {value!r}", errno.EINVAL) from None
-    if not dirty_given:
+                log_path = os.path.abspath(value)
+        except argparse.ArgumentTypeError as exc:          # parse_size names the value itself
+            raise KvfsError(f"bad value for mount option {name!r}: {exc}", errno.EINVAL) from None
+        except ValueError as exc:
+            raise KvfsError(f"bad value for mount option {name!r}: {value!r} {exc}", errno.EINVAL) from None
+        given.add(name)
+    if "dirty_limit" not in given:
         opts.dirty_limit = opts.cache_size // 2
+    elif opts.dirty_limit > opts.cache_size:
+        raise KvfsError(f"mount option 'dirty_limit' ({opts.dirty_limit} bytes) exceeds "
+                        f"'cache_size' ({opts.cache_size} bytes)", errno.EINVAL)
+    if log_path is not None and not os.path.isdir(os.path.dirname(log_path)):
+        raise KvfsError(f"log file directory {os.path.dirname(log_path)} does not exist", errno.ENOENT)
     return opts, log_path
 
 
@@ -121,12 +170,14 @@ def daemonize(work):
     code = 0
     try:
         work(ready)
-    except KvfsError as exc:
-        _report(wfd, str(exc))
-        code = 1
     except BaseException as exc:  # noqa: BLE001 - the parent must hear about any failure
-        logging.getLogger(__name__).exception("daemon failed")
-        _report(wfd, f"{type(exc).__name__}: {exc}")
+        # The parent prints one line; the log keeps it too (after ready() nobody
+        # else hears), with the traceback only for an unexpected error.
+        cause = root_cause(exc)
+        expected = isinstance(cause, (KvfsError, OSError))
+        logging.getLogger(__name__).error("daemon failed: %s", describe(cause),
+                                          exc_info=None if expected else exc)
+        _report(wfd, describe(cause))
         code = 1
     os._exit(code)
 
@@ -139,7 +190,7 @@ def _report(wfd, message):
         pass
 
 
-@tool
+@tool("mount.kvfs")
 def main(argv):
     p = Parser(prog="mount.kvfs",
                description="Mount kvfs. With only MOUNTPOINT, mounts the embedded default store "
@@ -158,7 +209,7 @@ def main(argv):
     options, log_path = parse_options(",".join(args.options))
     mountpoint = os.path.abspath(args.paths[-1])
     check_mountpoint(mountpoint)
-    device = args.paths[0] if len(args.paths) == 2 else ensure_default_store()
+    device = os.path.abspath(args.paths[0]) if len(args.paths) == 2 else ensure_default_store()
     if not os.path.exists(device):
         raise KvfsError(f"{device}: no such device or file (create it with mkfs.kvfs)", errno.ENOENT)
     tag = f"kvfs[{mountpoint}]"

@@ -198,7 +198,10 @@ async def test_torn_newer_checkpoint_falls_back_to_the_older_slot(tmp_path):
     await fs.store.commit()                            # generation 2 journal, frame 0
     await fs.store.checkpoint()                        # generation 3, slot A ...
     fs.close()
-    flip_byte(path, sb.checkpoint_a_off + S + 10)      # ... whose payload is torn
+    # ... whose header write was torn. (The header is written after the payload
+    # is durable, so a torn write never leaves a valid gen-3 header over a bad
+    # payload; that case is damage, see test_store_salvage.py.)
+    flip_byte(path, sb.checkpoint_a_off + 9)
 
     store, device = reopen_store(path)
     try:
