@@ -299,54 +299,6 @@ def test_commit_interval_at_the_minimum_mounts(kvfs_factory):
     assert (fs.mnt / "f").read_bytes() == b"x" * 1000
 
 
-@pytest.fixture
-def full_tmpfs(tmp_path):
-    """A small tmpfs, to make the host filesystem under a sparse store run out of space."""
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(where)], check=True)
-    yield where
-    subprocess.run(["fusermount3", "-uz", str(where / "mnt")], capture_output=True)
-    subprocess.run(["umount", "-l", str(where)], check=True)
-
-
-@pytest.mark.parametrize("mode", ["daemon", "foreground"])
-def test_failure_inside_the_daemon_is_one_line_not_an_exception_group(full_tmpfs, mode):
-    """Mount replays a journal and checkpoints inside trio's nursery; the write hits ENOSPC."""
-    store, mnt = full_tmpfs / "store.kvfs", full_tmpfs / "mnt"
-    mnt.mkdir()
-    run_tool("mkfs", "--size", "64M", store)
-    run_tool("mount", store, mnt)
-    pid = json.loads(run_tool("admin", "stats", "--json", mnt).stdout)["pid"]
-    for i in range(200):
-        (mnt / f"d{i}").mkdir()
-    run_tool("admin", "flush", mnt)
-    os.kill(pid, 9)
-    wait_exited(pid, 30)
-    subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    filler = full_tmpfs / "filler"
-    with open(filler, "wb") as f:          # fill the host filesystem to the last page
-        try:
-            while True:
-                f.write(b"\1" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    extra = ["-f"] if mode == "foreground" else []
-    proc = run_tool("mount", *extra, store, mnt, check=False, timeout=60)
-    if proc.returncode == 0 and os.path.ismount(mnt):
-        # A daemon that survives a failed checkpoint is fine too; then it must unmount cleanly.
-        filler.unlink()
-        run_tool("admin", "umount", mnt)
-    else:
-        assert proc.returncode == 1
-        assert "Traceback" not in proc.stderr and "ExceptionGroup" not in proc.stderr
-        assert "Exceptions from Trio" not in proc.stderr
-        lines = [line for line in proc.stderr.splitlines() if not line[:4].isdigit()]   # log lines have a date
-        assert lines and all(line.startswith("mount.kvfs: ") for line in lines), proc.stderr
-        assert not os.path.ismount(mnt)
-
-
 # -- item 13 ------------------------------------------------------------------
 
 def test_relative_device_path_becomes_absolute_in_fsname_and_stats(kvfs_factory):
