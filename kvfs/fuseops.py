@@ -9,6 +9,7 @@ import errno
 import functools
 import json
 import logging
+import os
 import stat
 
 import pyfuse3
@@ -172,6 +173,11 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def open(self, inode, flags, ctx):
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) == os.O_RDONLY:
+            # Linux truncates on O_RDONLY|O_TRUNC too (the kernel has checked write
+            # permission); with atomic_o_trunc it leaves that to us. (setattr refuses
+            # whatever open would refuse, so nothing is truncated for a failed open.)
+            await self.ns.setattr(inode, size=0)
         fh, direct_io, keep_cache = self.ns.open(inode, flags)
         self._note_writer(fh, direct_io, ctx)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
