@@ -174,6 +174,18 @@ def generic_cases(who):
     case("stat-name-256", u, ["stat", N256], errno.ENAMETOOLONG)
     case("open-trunc", u, ["open", "f", [W, "O_TRUNC"]], OK, [F("f", content="hello")], ["f"],
          all_of(sized("f", 0), moved("f"), moved("f", field="ctime_ns")))
+    case("open-rdonly-trunc", u, ["open", "f", [RO, "O_TRUNC"]], OK, [F("f", content="hello")],
+         ["f"], all_of(sized("f", 0), moved("f")), note="Linux truncates: O_TRUNC asks for MAY_WRITE")
+    case("open-excl-symlink-loop", u, ["open", "a", [W, CREAT, EXCL], 0o644], errno.EEXIST,
+         [L("b", "a"), L("a", "b")])
+    case("open-trailing-slash-file", u, ["open", "f/", [RO]], errno.ENOTDIR, [F("f")])
+    case("open-creat-trailing-slash", u, ["open", "new/", [W, CREAT], 0o644], errno.EISDIR)
+    case("symlink-target-4095", u, ["symlink", "t" * 4095, "s"], OK, [], ["s"],
+         facts("s", type=stat.S_IFLNK, size=4095))
+    case("symlink-target-4096", u, ["symlink", "t" * 4096, "s"], errno.ENAMETOOLONG, [], ["s"],
+         gone("s"))
+    case("symlink-existing-name", u, ["symlink", "t", "f"], errno.EEXIST, [F("f")], ["f"],
+         unchanged("f"))
     case("open-rdwr-existing", u, ["open", "f", [RW]], OK, [F("f")], ["f"], unchanged("f"))
     # link
     case("link-ok", u, ["link", "f", "g"], OK, [F("f")], ["f", "g", "."],
@@ -368,6 +380,16 @@ for name, op, exp_nobody, exp_root, setup, observe, check in cross:
             after = (unchanged(*observe) if exp else None)
         case(name, who, op, exp, setup, observe, after, owner=A)
 
+# Moving a directory to another parent rewrites its "..": that needs write permission on it.
+case("rename-other-dir-to-new-parent", NOBODY, ["rename", "a", "b/a"], errno.EACCES,
+     [D("a", 0o755, A), D("b", 0o777, NOBODY)], ["a"], unchanged("a"))
+case("rename-other-dir-same-parent", NOBODY, ["rename", "a", "c"], OK, [D("a", 0o755, A)],
+     ["a", "c"], all_of(gone("a"), facts("c", uid=A, nlink=2)))
+# fs.protected_hardlinks=1: no hard link to a file that one could not write.
+PROTECTED_HARDLINKS = Path("/proc/sys/fs/protected_hardlinks").read_text().strip() == "1"
+case("link-other-0600", NOBODY, ["link", "f", "g"], errno.EPERM if PROTECTED_HARDLINKS else OK,
+     [F("f", 0o600, A)], ["f"], facts("f", nlink=1 if PROTECTED_HARDLINKS else 2))
+
 # What root's override does to the other user's file.
 case("chown-other-clears-setuid-after", ROOT, ["chown", "f", NOBODY, -1], OK, [F("f", 0o4755, A)],
      ["f"], facts("f", uid=NOBODY, mode=0o755), owner=A)
@@ -442,7 +464,7 @@ def _mount_references(work):
     ext4 = work / "ext4"
     ext4.mkdir()
     os.truncate(image, 64 << 20)
-    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", str(image)], capture_output=True)
     if made.returncode == 0 and subprocess.run(["mount", "-o", "loop", str(image), str(ext4)],
                                                capture_output=True).returncode == 0:
         ext4.chmod(0o755)
