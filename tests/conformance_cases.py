@@ -7,7 +7,7 @@ the project's virtualenv. The same file runs as root, and on the reference
 filesystem (tmpfs), so every side executes exactly the same syscalls.
 
 Usage: conformance_cases.py SPEC.json
-SPEC is ``{"mode": "setup" | "run", "base": DIR, "root": MOUNT_ROOT, "cases": [...]}``.
+SPEC is ``{"mode": "setup" | "run" | "observe", "base": DIR, "root": MOUNT_ROOT, "cases": [...]}``.
 Each case is ``{"id", "setup": [step...], "op": [name, args...], "observe": [path...]}``.
 Paths are relative to the case's own directory ``BASE/<id>``; ``"@root"`` is the
 mount root itself.
@@ -15,6 +15,7 @@ mount root itself.
 ``setup`` (run as root) builds every case's directory tree. ``run`` executes each
 case's operation with the caller's credentials and records, for each observed
 path, an ``lstat`` (and a digest of small regular files) before and after it.
+``observe`` only records the observed paths.
 """
 import ctypes
 import errno
@@ -185,6 +186,8 @@ def main():
         case = Case(c, spec["base"], spec["root"])
         if spec["mode"] == "setup":
             setup_case(case)
+        elif spec["mode"] == "observe":
+            out.append({"id": c["id"], "state": {p: observe(case, p) for p in c["observe"]}})
         else:
             out.append(run_case(case))
     json.dump({"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),

@@ -14,6 +14,9 @@ For every row whose behaviour is that of any local filesystem (``ref=True``):
   for the observed paths: existence, type, mode, owner, link count, size of
   regular files, content, and whether mtime and ctime moved.
 
+Afterwards kvfs is remounted and every observed path must read back as it was
+(journal replay reproduces what the live operations did).
+
 Rows with ``ref=False`` are kvfs's documented choices; rows with ``xfail`` are
 known kvfs defects that were too large to fix here (strict: they fail the run
 once fixed, so that the mark is removed).
@@ -500,6 +503,14 @@ def outcomes():
                 spec["cases"] = [{"id": c.id, "op": c.op, "observe": c.observe}
                                  for c in CASES if c.who == who]
                 results[label] |= _run_runner(spec, work / f"run-{label}-{who}.json", who)
+        # What the operations left must survive a remount (replay of the journal).
+        spec["mode"] = "observe"
+        spec["root"], spec["base"] = str(fs.mnt), str(fs.mnt / "conf")
+        spec["cases"] = [{"id": c.id, "observe": c.observe} for c in CASES]
+        for when in ("before-remount", "after-remount"):
+            if when == "after-remount":
+                fs.remount()
+            results[when] = _run_runner(spec, work / f"observe-{when}.json", ROOT)
         yield results
     finally:
         for root in refs.values():
@@ -564,11 +575,24 @@ def test_case(c, outcomes):
         c.check(got)
 
 
+def test_state_survives_remount(outcomes):
+    """Everything the cases left on kvfs reads back the same after umount and mount."""
+    before, after = outcomes["before-remount"], outcomes["after-remount"]
+    assert sum(len(r["state"]) for r in before.values()) > 200
+    differ = {}
+    for cid, r in before.items():
+        for p, st in r["state"].items():
+            if st != after[cid]["state"][p]:
+                differ[f"{cid}:{p}"] = (st, after[cid]["state"][p])
+    assert not differ, differ
+
+
 def test_table_covers_both_uids(outcomes):
     """Both the privileged and the unprivileged side ran, on kvfs and every reference."""
     assert "tmpfs" in outcomes
-    for label in outcomes:
-        assert set(outcomes[label]) == set(IDS)
+    for label in ("kvfs", *REFERENCES, "before-remount", "after-remount"):
+        if label in outcomes:
+            assert set(outcomes[label]) == set(IDS), label
     by_who = {who: sum(1 for c in CASES if c.who == who) for who in WHO}
     assert by_who[ROOT] >= 80 and by_who[NOBODY] >= 80, by_who
     print(f"conformance cases: {by_who[ROOT]} as root, {by_who[NOBODY]} as uid {NOBODY}, "
