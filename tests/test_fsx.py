@@ -6,11 +6,13 @@ a few files through one descriptor each: pwrite at random offsets and sizes
 pread, ftruncate up and down, MAP_SHARED mmap reads, MAP_SHARED mmap writes
 (with msync, or left to munmap and close), fsync, a whole-file read through a
 fresh descriptor, preads and mmap reads through a second read-only descriptor
-held open while the first one writes, and close/reopen with O_RDWR, O_RDONLY or O_WRONLY, sometimes
-with O_TRUNC. Every read, and the size after every operation, is compared with
+held open while the first one writes, and close/reopen with O_RDWR, O_RDONLY
+or O_WRONLY, sometimes with O_TRUNC. Every read, and the size after every operation, is compared with
 the model. After each round the files are closed, ``kvfs-admin flush`` runs,
 the filesystem is remounted and every file is compared again; the fixture ends
-with a clean fsck.
+with a clean fsck. It runs with 1 MiB blocks, with 64 KiB blocks (block
+boundaries every few operations), and with 64 KiB blocks under a 1 MiB cache
+(writers wait on flushes, reads refetch evicted blocks).
 
 KVFS_FSX_SEED and KVFS_FSX_OPS override the seed and the operations per round:
 a failure names the seed, the operation number and the last operations.
@@ -266,12 +268,18 @@ def read_all(fd):
 @pytest.mark.parametrize("block_size, max_len", [
     pytest.param(None, 4 * MiB + 333 * KiB, id="1M-blocks"),
     pytest.param("64K", MiB + 5 * KiB, id="64K-blocks"),
+    pytest.param("64K", MiB + 5 * KiB, id="64K-blocks-tiny-cache"),
 ])
-def test_fsx(kvfs_factory, block_size, max_len):
-    fs = kvfs_factory(size="1G", block_size=block_size)
+def test_fsx(kvfs_factory, block_size, max_len, request):
+    # A 1 MiB cache holds 16 blocks: writes wait for flushes, and reads refetch evicted blocks.
+    options = ["cache_size=1M", "dirty_limit=512K"] if "tiny" in request.node.name else []
+    fs = kvfs_factory(size="1G", block_size=block_size, mount_options=options)
     fs.mkfs()
     fs.mount()
-    bs = fs.stats()["block_size"]
+    stats = fs.stats()
+    bs = stats["block_size"]
+    if options:
+        assert stats["cache_size"] == MiB, stats
     assert bs == (64 * KiB if block_size else MiB)
     x = Exerciser(fs.mnt, bs, max_len, SEED + (block_size is not None))
     for round_ in range(ROUNDS):
