@@ -265,14 +265,14 @@ def read_all(fd):
         chunks.append(chunk)
 
 
-@pytest.mark.parametrize("block_size, max_len", [
-    pytest.param(None, 4 * MiB + 333 * KiB, id="1M-blocks"),
-    pytest.param("64K", MiB + 5 * KiB, id="64K-blocks"),
-    pytest.param("64K", MiB + 5 * KiB, id="64K-blocks-tiny-cache"),
-])
-def test_fsx(kvfs_factory, block_size, max_len, request):
+@pytest.mark.parametrize("block_size, max_len, options, seed_offset", [
+    pytest.param(None, 4 * MiB + 333 * KiB, [], 0, id="1M-blocks"),
+    pytest.param("64K", MiB + 5 * KiB, [], 1, id="64K-blocks"),
     # A 1 MiB cache holds 16 blocks: writes wait for flushes, and reads refetch evicted blocks.
-    options = ["cache_size=1M", "dirty_limit=512K"] if "tiny" in request.node.name else []
+    pytest.param("64K", MiB + 5 * KiB, ["cache_size=1M", "dirty_limit=512K"], 2,
+                 id="64K-blocks-tiny-cache"),
+])
+def test_fsx(kvfs_factory, block_size, max_len, options, seed_offset):
     fs = kvfs_factory(size="1G", block_size=block_size, mount_options=options)
     fs.mkfs()
     fs.mount()
@@ -281,7 +281,7 @@ def test_fsx(kvfs_factory, block_size, max_len, request):
     if options:
         assert stats["cache_size"] == MiB, stats
     assert bs == (64 * KiB if block_size else MiB)
-    x = Exerciser(fs.mnt, bs, max_len, SEED + (block_size is not None))
+    x = Exerciser(fs.mnt, bs, max_len, SEED + seed_offset)
     for round_ in range(ROUNDS):
         x.run(OPS)
         x.close_all()
