@@ -69,6 +69,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.owner_uid = os.getuid()
         self._dir_handles = {}
         self._next_dir_fh = 1
+        self._kill_suid_fhs = set()    # direct_io write handles of callers without CAP_FSETID
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -103,6 +104,11 @@ class KvfsOperations(pyfuse3.Operations):
         if self.by_hash != "owner" or ctx is None:
             raise FsError(errno.EACCES, "/.kvfs/by-hash is root-only on this mount")
         return ctx.uid, ctx.gid
+
+    def _new_gid(self, parent_inode, ctx):
+        """The group of a new entry: a set-group-ID directory's own, else the caller's."""
+        parent = self.ns.inodes.get(parent_inode)
+        return parent.gid if parent is not None and parent.mode & stat.S_ISGID else ctx.gid
 
     @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
@@ -158,12 +164,16 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._entry(self.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid))
+        parent = self.ns.inodes.get(parent_inode)
+        if parent is not None:
+            mode |= parent.mode & stat.S_ISGID          # a setgid directory's subdirectories inherit it
+        return self._entry(self.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid,
+                                        self._new_gid(parent_inode, ctx)))
 
     @_errno_mapped
     async def symlink(self, parent_inode, name, target, ctx):
-        return self._entry(self.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
-                                        target=bytes(target)))
+        return self._entry(self.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid,
+                                        self._new_gid(parent_inode, ctx), target=bytes(target)))
 
     @_errno_mapped
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -187,14 +197,28 @@ class KvfsOperations(pyfuse3.Operations):
     # -- files ----------------------------------------------------------------
     @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):
-        ino = self.ns.make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+        ino = self.ns.make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid,
+                           self._new_gid(parent_inode, ctx))
         fh, direct_io, keep_cache = self.ns.open(ino, flags)
+        self._note_writer(fh, direct_io, ctx)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), self._entry(ino)
 
     @_errno_mapped
     async def open(self, inode, flags, ctx):
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) == os.O_RDONLY:
+            # Linux truncates on O_RDONLY|O_TRUNC too (the kernel has checked write
+            # permission); with atomic_o_trunc it leaves that to us. (setattr refuses
+            # whatever open would refuse, so nothing is truncated for a failed open.)
+            await self.ns.setattr(inode, size=0)
         fh, direct_io, keep_cache = self.ns.open(inode, flags)
+        self._note_writer(fh, direct_io, ctx)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+
+    def _note_writer(self, fh, direct_io, ctx):
+        # The kernel drops S_ISUID/S_ISGID on a write itself (file_remove_privs),
+        # but not on a direct_io write: there the filesystem must do it.
+        if direct_io and ctx.uid != 0 and self.ns.handle(fh).writable:
+            self._kill_suid_fhs.add(fh)
 
     @_errno_mapped
     async def read(self, fh, off, size):
@@ -202,6 +226,13 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def write(self, fh, off, buf):
+        if fh in self._kill_suid_fhs:
+            inode = self.ns.handle(fh).inode
+            kill = inode.mode & stat.S_ISUID
+            if inode.mode & stat.S_IXGRP:
+                kill |= inode.mode & stat.S_ISGID
+            if kill:
+                await self.ns.setattr(inode.ino, mode=inode.mode & ~kill)
         return await self.ns.write(fh, off, buf)
 
     async def flush(self, fh):
@@ -212,6 +243,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def release(self, fh):
+        self._kill_suid_fhs.discard(fh)
         await self.ns.release(fh)
 
     @_errno_mapped

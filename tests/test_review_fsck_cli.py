@@ -7,7 +7,6 @@
    no command prints an ExceptionGroup or a traceback. 13: absolute device paths, and
    one fsck output format.
 """
-import json
 import os
 import random
 import subprocess
@@ -17,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from kvfs import format as fmt
-from kvfs.cli.admin import wait_exited
 from kvfsmount import run_tool
 
 MiB = 1 << 20
