@@ -21,8 +21,9 @@ import logging
 import trio
 import xxhash
 
-from .errors import CorruptBlock, FormatError, NoSpace
-from .extents import Allocator
+from . import schema
+from .aligned import align_up
+from .errors import CorruptBlock, FormatError, NoSpace, SpaceAwaitsCommit
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,8 @@ class IndexStatistics:
 class BlockIndex:
     def __init__(self, store, hash_limiter=None):
         self.store = store
-        self.device = store.device
-        self.block_size = store.sb.block_size
-        self.seed = store.sb.hash_seed
+        self.block_size = store.block_size
+        self.seed = store.hash_seed
         self.entries = {}
         self._writing = {}          # key -> (Event, off, length) while its data is being written
         self.used_bytes = 0         # allocated bytes of all entries (4 KiB granular)
@@ -67,30 +67,49 @@ class BlockIndex:
         return await trio.to_thread.run_sync(self.key_of, data, limiter=self.hash_limiter)
 
     # -- state ------------------------------------------------------------
-    def load(self, state):
-        for key, off, length, refs in state.get("blocks", ()):
-            self.entries[key] = BlockEntry(off, length, refs)
-            self.used_bytes += _aligned(length)
+    def load(self, blocks):
+        """Enter the checkpoint's BlockRows."""
+        for row in blocks:
+            self.entries[row.key] = BlockEntry(row.off, row.length, row.refs)
+            self.used_bytes += align_up(row.length)
 
     def snapshot(self):
-        """Blocks named by durable contents, plus the matching free-space map.
+        """(BlockRows named by durable contents, extents only RAM knows about).
 
-        Extents held only by pins, writes in flight or frees waiting for the
-        journal are free as far as the checkpoint is concerned: no durable
-        record references them.
+        Extents held only by pins or writes in flight are free as far as the
+        checkpoint is concerned: no durable record references them.
         """
         blocks, transient = [], []
         for key, e in self.entries.items():
             if e.refs:
-                blocks.append((key, e.off, e.length, e.refs))
+                blocks.append(schema.BlockRow(key, e.off, e.length, e.refs))
             else:
                 transient.append((e.off, e.length))
         transient += [(off, n) for _, off, n in self._writing.values()]
-        transient += [(off, n) for _, off, n in self.store._pending_frees]
-        free = Allocator(self.store.sb.data_off, self.store.sb.data_len, self.store.allocator.extents())
-        for off, n in transient:
-            free.free(off, n)
-        return {"blocks": blocks, "free": free.extents()}
+        return blocks, transient
+
+    # -- durability: records and checkpoints pass through to the store ------
+    def append_record(self, record):
+        self.store.append(record)
+
+    async def commit(self):
+        await self.store.commit()
+
+    async def checkpoint(self, state):
+        """Add the blocks to the namespace's ``state`` and write it (no await before the store takes it)."""
+        blocks, transient = self.snapshot()
+        await self.store.checkpoint(dataclasses.replace(state, blocks=blocks), transient)
+
+    def checkpoint_capacity(self):
+        return self.store.checkpoint_capacity()
+
+    @property
+    def journal_fill(self):
+        return self.store.journal_fill
+
+    def rows(self):
+        """Every entry as a BlockRow (fsck)."""
+        return [schema.BlockRow(key, e.off, e.length, e.refs) for key, e in self.entries.items()]
 
     def block_count(self):
         return len(self.entries)
@@ -106,7 +125,7 @@ class BlockIndex:
         if e is None:
             self.store.allocate_at(off, length)
             self.entries[key] = e = BlockEntry(off, length)
-            self.used_bytes += _aligned(length)
+            self.used_bytes += align_up(length)
         elif (e.off, e.length) != (off, length):
             raise FormatError(f"block {key.hex()} recorded at two extents")
         e.refs += 1
@@ -127,12 +146,12 @@ class BlockIndex:
     def _maybe_free(self, key, e):
         if e.refs <= 0 and e.pins <= 0:
             del self.entries[key]
-            self.used_bytes -= _aligned(e.length)
+            self.used_bytes -= align_up(e.length)
             self.store.free(e.off, e.length)
 
     # -- space --------------------------------------------------------------
     def capacity_bytes(self):
-        return self.store.sb.data_len
+        return self.store.capacity_bytes
 
     def available_bytes(self):
         """Bytes that new blocks can still be given: whole free block slots, less reservations.
@@ -142,13 +161,17 @@ class BlockIndex:
         allocation, so a write that returned success never fails its flush
         for want of space.
         """
-        return self.store.allocator.slots * self.block_size - self.reserved_bytes
+        return self.store.free_slots() * self.block_size - self.reserved_bytes
 
     async def reserve(self, nbytes):
-        """Promise space to a dirty block, so the writer gets ENOSPC, not a lost flush."""
-        if self.available_bytes() < nbytes and self.store.pending_free_bytes:
-            await self.store.commit()           # frees wait for durability; hurry them
+        """Promise space to a dirty block, so the writer gets ENOSPC, not a lost flush.
+
+        When frees waiting for a journal commit would make room, this says so
+        (SpaceAwaitsCommit): the namespace, which drives commits, commits and retries.
+        """
         if self.available_bytes() < nbytes:
+            if self.store.pending_free_bytes:
+                raise SpaceAwaitsCommit("space is waiting for frees to be committed")
             raise NoSpace("no space left on the kvfs device")
         self.reserved_bytes += nbytes
 
@@ -177,22 +200,23 @@ class BlockIndex:
         done = trio.Event()
         self._writing[key] = (done, off, len(data))
         try:
-            await self.device.pwrite(off, data, source)
+            await self.store.write_extent(off, data, source)
         except BaseException:
             # Never referenced by anything: give the extent straight back.
-            self.store.allocator.free(off, len(data))
+            self.store.release_unused(off, len(data))
             raise
         finally:
             del self._writing[key]
             done.set()
         self.entries[key] = BlockEntry(off, len(data), pins=1)
-        self.used_bytes += _aligned(len(data))
+        self.used_bytes += align_up(len(data))
         self._blocks_written += 1
         self._data_bytes_written += len(data)
         return key
 
-    def _read_verified(self, key, off, length, buf=None):
-        data = self.device.read_block_sync(off, length, buf)
+    def read_verified_sync(self, key, off, length, buf=None):
+        """Read one extent and check it against ``key`` (in a worker thread); CorruptBlock if it fails."""
+        data = self.store.read_extent_sync(off, length, buf)
         if self.key_of(data) != key:
             self._corrupt_reads += 1
             log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
@@ -206,13 +230,9 @@ class BlockIndex:
         into ``buf`` if one is given.
         """
         e = self.entries[key]
-        return await self.device.run(self._read_verified, key, e.off, e.length, buf)
+        return await self.store.run(self.read_verified_sync, key, e.off, e.length, buf)
 
     def statistics(self):
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,
                                self._data_bytes_written, self._dedup_hits, self._corrupt_reads,
                                self.reserved_bytes)
-
-
-def _aligned(n):
-    return (n + 4095) // 4096 * 4096

@@ -1,7 +1,6 @@
-"""Assemble the layers over one device and serve them through FUSE.
+"""Serve a layer stack (``kvfs.stack.Filesystem``) through FUSE.
 
-``Filesystem.open`` stacks device -> extent store -> block index -> block cache
--> namespace and replays the journal. ``serve`` mounts it, runs the background
+``serve`` mounts it, runs the background
 tasks, and shuts down gracefully on SIGTERM/SIGINT, ``kvfs-admin umount`` or a
 plain ``umount``: everything dirty is flushed and a checkpoint is written before
 the process exits 0.
@@ -12,18 +11,15 @@ import dataclasses
 import logging
 import os
 import signal
-import time
 
 import pyfuse3
 import trio
 
-from .blockcache import BlockCache
-from .blockindex import BlockIndex
-from .device import Device
-from .errors import FormatError, KvfsError
-from .extents import ExtentStore
+from .errors import InvalidArgument, KvfsError
 from .fuseops import KvfsOperations
-from .namespace import Namespace
+from .stack import Filesystem
+
+__all__ = ["Daemon", "Filesystem", "MountOptions", "tune_malloc"]
 
 log = logging.getLogger(__name__)
 
@@ -64,104 +60,6 @@ def tune_malloc():
         log.info("mallopt unavailable; using the default allocator settings")
 
 
-class Filesystem:
-    """The layer stack over one open device."""
-
-    def __init__(self, device, store, index, cache, namespace):
-        self.device, self.store, self.index, self.cache, self.ns = device, store, index, cache, namespace
-        self.mounted_at = time.time()
-        self.mountpoint = None
-
-    @classmethod
-    def open(cls, path, options, *, readonly=False):
-        device = Device.open(path, readonly=readonly, write_delay=options.write_delay)
-        try:
-            store = ExtentStore.open(device)
-            if not readonly:
-                store.reserve_metadata_space()
-            index = BlockIndex(store)
-            cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
-                               read_depth=options.read_depth, flush_workers=options.flush_workers)
-            namespace = Namespace(cache, store)
-            try:
-                namespace.load(store.checkpoint_state, store.replay_records)
-            except KvfsError:
-                raise
-            except Exception as exc:
-                raise FormatError(f"the journal does not replay cleanly ({exc!r}): "
-                                  f"run fsck.kvfs") from None
-            replayed = store.replay_report
-            store.finish_replay()
-            store.set_snapshot_source(namespace.snapshot)
-            fs = cls(device, store, index, cache, namespace)
-            fs.replayed = replayed
-            return fs
-        except BaseException:
-            device.close()
-            raise
-
-    def close(self):
-        self.device.close()
-
-    def stats(self):
-        """Every component's statistics, flattened into one dict for kvfs-admin."""
-        dev = self.device.statistics()
-        store = self.store.statistics()
-        idx = self.index.statistics()
-        cache = self.cache.statistics()
-        ns = self.ns.statistics()
-        elapsed = max(time.time() - self.mounted_at, 1e-9)
-        data_used = idx.used_bytes
-        return {
-            "pid": os.getpid(),
-            "mountpoint": self.mountpoint,
-            "device": dev.path,
-            "direct_io": dev.direct_io,
-            "block_size": self.index.block_size,
-            "capacity_bytes": store.capacity_bytes,
-            "free_bytes": max(0, self.index.available_bytes()),
-            "used_bytes": data_used,
-            "logical_bytes": ns.logical_bytes,
-            "unique_blocks": idx.unique_blocks,
-            "dedup_ratio": round(ns.logical_bytes / data_used, 4) if data_used else 1.0,
-            "files": ns.files,
-            "metadata_bytes": ns.metadata_bytes,
-            "metadata_capacity": ns.metadata_capacity,
-            "directories": ns.directories,
-            "dirty_bytes": cache.dirty_bytes,
-            "dirty_limit": cache.dirty_limit,
-            "dirty_bytes_max": cache.dirty_bytes_max,
-            "flush_backlog_bytes": cache.flush_backlog_bytes,
-            "cache_size": cache.cache_size,
-            "cache_bytes": cache.cache_bytes,
-            "cache_hits": cache.cache_hits,
-            "cache_misses": cache.cache_misses,
-            "prefetch_inflight_max": cache.prefetch_inflight_max,
-            "device_reads_inflight_max": dev.reads_in_flight_max,
-            "device_bytes_written": dev.bytes_written,
-            "device_bytes_read": dev.bytes_read,
-            "data_bytes_written": idx.data_bytes_written,
-            "blocks_written": idx.blocks_written,
-            "dedup_hits": idx.dedup_hits,
-            "zero_blocks": cache.zero_blocks,
-            "writers_throttled": cache.writers_throttled,
-            "corrupt_reads": idx.corrupt_reads,
-            "read_bytes_per_s": round(cache.bytes_read / elapsed),
-            "write_bytes_per_s": round(cache.bytes_written / elapsed),
-            "bytes_read": cache.bytes_read,
-            "bytes_written": cache.bytes_written,
-            "read_requests": cache.read_requests,
-            "write_requests": cache.write_requests,
-            "journal_bytes": store.journal_bytes,
-            "journal_capacity": store.journal_capacity,
-            "generation": store.generation,
-            "commits": store.commits,
-            "checkpoints": store.checkpoints,
-            "open_handles": ns.open_handles,
-            "uptime_s": round(elapsed, 3),
-        }
-
-
 class Daemon:
     """Serves one Filesystem at a mountpoint; answers admin commands (the ``control``)."""
 
@@ -180,15 +78,15 @@ class Daemon:
         if name == "flush":
             await self.fs.ns.flush_all()
         elif name == "drop-caches":
-            self.fs.cache.drop_clean()
+            self.fs.ns.drop_caches()
         elif name == "checkpoint":
             await self.fs.ns.flush_all()
-            await self.fs.store.checkpoint()
+            await self.fs.ns.checkpoint()
         elif name == "umount":
             await self.fs.ns.flush_all()
             self._nursery.start_soon(self._stop)
         else:
-            raise KvfsError(f"unknown control command {name!r}", 22)
+            raise InvalidArgument(f"unknown control command {name!r}")
 
     async def _stop(self):
         if not self._stopping:
@@ -222,7 +120,7 @@ class Daemon:
                 nursery.start_soon(self._watch_signals)
                 if self.fs.replayed.get("records"):
                     try:
-                        await self.fs.store.checkpoint()   # fold the replayed journal away
+                        await self.fs.ns.checkpoint()      # fold the replayed journal away
                     except KvfsError as exc:
                         # The journal still holds everything: serve on, and
                         # fold it once deletions have made room.
@@ -233,10 +131,10 @@ class Daemon:
                 unmounted = True
                 await self.fs.ns.flush_all()
                 try:
-                    await self.fs.store.checkpoint()
+                    await self.fs.ns.checkpoint()
                 except KvfsError as exc:
                     log.error("final checkpoint failed; the journal holds what was committed: %s", exc)
-                    raise KvfsError(f"unmounted, but the final checkpoint failed: {exc}", exc.errno) from None
+                    raise type(exc)(f"unmounted, but the final checkpoint failed: {exc}") from None
                 finally:
                     nursery.cancel_scope.cancel()
         finally:

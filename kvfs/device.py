@@ -21,8 +21,8 @@ import time
 
 import trio
 
-from .errors import DeviceError, KvfsError
-from .format import SECTOR, align_up
+from .aligned import SECTOR, align_up, new_buffer
+from .errors import Busy, DeviceError, InternalError, NotADevice, NotFound, device_error, os_error
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
@@ -72,9 +72,9 @@ class Device:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            raise DeviceError(f"{path}: no such device or file", errno.ENOENT) from None
+            raise NotFound(f"{path}: no such device or file") from None
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
-            raise DeviceError(f"{path}: not a regular file or block device", errno.ENODEV)
+            raise NotADevice(f"{path}: not a regular file or block device")
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
         fd, direct = _open_direct(path, flags)
         try:
@@ -82,13 +82,8 @@ class Device:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise DeviceError(f"{path}: device is in use (mounted or being checked)",
-                                      errno.EBUSY) from None
-            if stat.S_ISBLK(st.st_mode):
-                buf = fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8)
-                size = int.from_bytes(buf, "little")
-            else:
-                size = st.st_size
+                    raise Busy(f"{path}: device is in use (mounted or being checked)") from None
+            size = _block_device_size(fd) if stat.S_ISBLK(st.st_mode) else st.st_size
             return cls(path, fd, size, direct, stat.S_ISBLK(st.st_mode), **kw)
         except BaseException:
             os.close(fd)
@@ -139,7 +134,7 @@ class Device:
                         break
                     done += n
         except OSError as exc:
-            raise DeviceError(f"device read at {start} failed: {exc.strerror}", exc.errno) from None
+            raise device_error(exc, f"device read at {start} failed: {exc.strerror}") from None
         finally:
             with self._lock:
                 self._inflight -= 1
@@ -158,7 +153,7 @@ class Device:
         afterwards: the cache keeps the view and FUSE replies are sent from it.
         """
         if off % SECTOR:
-            raise DeviceError(f"unaligned block read at {off}")
+            raise InternalError(f"unaligned block read at {off}")
         if off < 0 or off + length > self.size:
             raise DeviceError(f"read [{off}, +{length}) is outside the device ({self.size} bytes)")
         span = align_up(max(length, 1))
@@ -174,11 +169,11 @@ class Device:
         and zeros after it; it is written as is, saving a copy.
         """
         if off % SECTOR:
-            raise DeviceError(f"unaligned device write at {off}")
+            raise InternalError(f"unaligned device write at {off}")
         span = align_up(len(data))
         if off < 0 or off + span > self.size:
-            raise DeviceError(f"write [{off}, +{span}) is outside the device ({self.size} bytes)",
-                              errno.ENOSPC)
+            # The allocator never hands out such an extent: this is a bug, not a full disk.
+            raise InternalError(f"write [{off}, +{span}) is outside the device ({self.size} bytes)")
         if delay and self.write_delay:
             time.sleep(self.write_delay)
         if source is not None and len(source) >= span:
@@ -193,10 +188,10 @@ class Device:
                 with memoryview(buf) as view:
                     n = os.pwrite(self.fd, view[done:span], off + done)
                 if n == 0:
-                    raise DeviceError(f"device write at {off} made no progress", errno.EIO)
+                    raise DeviceError(f"device write at {off} made no progress")
                 done += n
         except OSError as exc:
-            raise DeviceError(f"device write at {off} failed: {exc.strerror}", exc.errno) from None
+            raise device_error(exc, f"device write at {off} failed: {exc.strerror}") from None
         with self._lock:
             self._bytes_written += span
             self._writes += 1
@@ -205,7 +200,7 @@ class Device:
         try:
             os.fdatasync(self.fd)
         except OSError as exc:
-            raise DeviceError(f"device flush failed: {exc.strerror}", exc.errno) from None
+            raise device_error(exc, f"device flush failed: {exc.strerror}") from None
         with self._lock:
             self._syncs += 1
 
@@ -222,8 +217,7 @@ class Device:
         try:
             os.posix_fallocate(self.fd, off, length)
         except OSError as exc:
-            raise DeviceError(f"cannot reserve host space for kvfs metadata: {exc.strerror}",
-                              exc.errno) from None
+            raise device_error(exc, f"cannot reserve host space for kvfs metadata: {exc.strerror}") from None
 
     def discard_sync(self, off, length):
         """Tell the device a range is unused (TRIM / hole punch). Best effort."""
@@ -238,7 +232,7 @@ class Device:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
                 self.discard_supported = False
                 return
-            raise DeviceError(f"discard at {off} failed: {exc.strerror}", exc.errno) from None
+            raise device_error(exc, f"discard at {off} failed: {exc.strerror}") from None
         with self._lock:
             self._discards += 1
 
@@ -266,23 +260,13 @@ class Device:
                                     self._discards, self._inflight, self._inflight_max)
 
 
-def new_buffer(size):
-    """A zeroed, page-aligned anonymous buffer, its pages faulted in by one mmap call.
-
-    MAP_POPULATE makes the kernel fill the pages up front instead of taking a
-    fault per 4 KiB on first touch (in the event loop, holding the GIL).
-    """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(-1, size, flags=flags)
-
-
 def _open_direct(path, flags):
     """Open with O_DIRECT if the device accepts aligned direct reads, else buffered."""
     try:
         fd = os.open(path, flags | os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
-            raise DeviceError(f"{path}: cannot open: {exc.strerror}", exc.errno) from None
+            raise os_error(exc, f"{path}: cannot open: {exc.strerror}") from None
     else:
         try:
             probe = mmap.mmap(-1, SECTOR)
@@ -291,22 +275,12 @@ def _open_direct(path, flags):
         except OSError as exc:
             os.close(fd)
             if exc.errno != errno.EINVAL:
-                raise DeviceError(f"{path}: cannot read: {exc.strerror}", exc.errno) from None
+                raise os_error(exc, f"{path}: cannot read: {exc.strerror}") from None
     try:
         return os.open(path, flags), False
     except OSError as exc:
-        raise DeviceError(f"{path}: cannot open: {exc.strerror}", exc.errno) from None
+        raise os_error(exc, f"{path}: cannot open: {exc.strerror}") from None
 
 
-def device_size_of(path):
-    """Size in bytes of an existing regular file or block device (for mkfs)."""
-    st = os.stat(path)
-    if stat.S_ISBLK(st.st_mode):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return int.from_bytes(fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8), "little")
-        finally:
-            os.close(fd)
-    if stat.S_ISREG(st.st_mode):
-        return st.st_size
-    raise KvfsError(f"{path}: not a regular file or block device", errno.ENODEV)
+def _block_device_size(fd):
+    return int.from_bytes(fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8), "little")

@@ -1,22 +1,25 @@
 """Errors raised by kvfs layers.
 
-Every layer raises a :class:`KvfsError` subclass carrying an errno. Only
-``fuseops`` turns these into ``pyfuse3.FUSEError``; the command-line tools turn
-them into one-line messages. Nothing else catches them.
+Every error is a :class:`KvfsError` subclass. Its errno is a property of the
+class, never chosen at the raise site: ``NotFound("...")`` is ENOENT wherever it
+is raised. Only ``fuseops`` turns these into ``pyfuse3.FUSEError``; the
+command-line tools turn them into one-line messages. A bug is an
+:class:`InternalError` (EIO, and logged), never disguised as a user error.
 """
 import errno as _errno
+import os
 
 
 class KvfsError(Exception):
-    """Base class: an error with a precise errno and a readable message."""
+    """Base class: a readable message; ``errno`` comes from the class."""
 
     errno = _errno.EIO
 
-    def __init__(self, message, errno=None):
-        super().__init__(message)
-        if errno is not None:
-            self.errno = errno
+    def __init__(self, message=""):
+        super().__init__(message or os.strerror(self.errno))
 
+
+# -- the store and the device ------------------------------------------------
 
 class FormatError(KvfsError):
     """The device does not hold a valid kvfs (bad magic, checksum, bounds)."""
@@ -27,21 +30,118 @@ class FormatError(KvfsError):
 class CorruptBlock(KvfsError):
     """A block read from the device does not match its content key."""
 
-    errno = _errno.EIO
-
 
 class DeviceError(KvfsError):
     """The device failed an I/O request or returned a short transfer."""
 
-    errno = _errno.EIO
+
+class DeviceFull(DeviceError):
+    """The host filesystem under a store file has no room left (ENOSPC below kvfs)."""
+
+    errno = _errno.ENOSPC
+
+
+class InternalError(KvfsError):
+    """A bug in kvfs (a broken invariant). Reported as EIO and logged, never as ENOSPC."""
 
 
 class NoSpace(KvfsError):
     errno = _errno.ENOSPC
 
 
-class FsError(KvfsError):
-    """A POSIX-level refusal (ENOENT, EEXIST, ENOTEMPTY, ...)."""
+class SpaceAwaitsCommit(NoSpace):
+    """Not enough space now, but frees wait for a journal commit: commit, then retry."""
 
-    def __init__(self, errno, message=""):
-        super().__init__(message or _errno.errorcode.get(errno, str(errno)), errno)
+
+class JournalFull(KvfsError):
+    """The journal has no room for the pending records: a checkpoint must fold it first."""
+
+    errno = _errno.ENOSPC
+
+
+# -- POSIX refusals ------------------------------------------------------------
+
+class FsError(KvfsError):
+    """A POSIX-level refusal; each subclass is one errno."""
+
+
+class NotFound(FsError):
+    errno = _errno.ENOENT
+
+
+class Exists(FsError):
+    errno = _errno.EEXIST
+
+
+class NotEmpty(FsError):
+    errno = _errno.ENOTEMPTY
+
+
+class NotADirectory(FsError):
+    errno = _errno.ENOTDIR
+
+
+class IsADirectory(FsError):
+    errno = _errno.EISDIR
+
+
+class InvalidArgument(FsError):
+    errno = _errno.EINVAL
+
+
+class NameTooLong(FsError):
+    errno = _errno.ENAMETOOLONG
+
+
+class ReadOnly(FsError):
+    errno = _errno.EROFS
+
+
+class AccessDenied(FsError):
+    errno = _errno.EACCES
+
+
+class NotPermitted(FsError):
+    errno = _errno.EPERM
+
+
+class BadDescriptor(FsError):
+    errno = _errno.EBADF
+
+
+class NotSupported(FsError):
+    errno = _errno.EOPNOTSUPP
+
+
+class Busy(FsError):
+    errno = _errno.EBUSY
+
+
+class NotADevice(FsError):
+    errno = _errno.ENODEV
+
+
+class TimedOut(FsError):
+    errno = _errno.ETIMEDOUT
+
+
+class NoData(FsError):
+    errno = _errno.ENODATA
+
+
+_BY_ERRNO = {cls.errno: cls for cls in (NotFound, Exists, NotEmpty, NotADirectory, IsADirectory,
+                                        InvalidArgument, NameTooLong, ReadOnly, AccessDenied,
+                                        NotPermitted, BadDescriptor, NotSupported, Busy, NotADevice,
+                                        TimedOut)}
+
+
+def device_error(exc, message):
+    """The kvfs error for an OSError from a device syscall: DeviceFull for ENOSPC, else DeviceError."""
+    if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        return DeviceFull(message)
+    return DeviceError(message)
+
+
+def os_error(exc, message):
+    """The kvfs error for an OSError outside data transfers (opening a path, ...)."""
+    return _BY_ERRNO.get(exc.errno, DeviceError)(message)

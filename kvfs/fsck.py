@@ -1,7 +1,9 @@
 """Offline consistency check and repair.
 
 The check loads the store exactly as mount does (newest checkpoint plus journal
-replay) and then verifies, independently of the code that maintains them:
+replay, through ``kvfs.stack.load_tree``, without a block cache) and then
+verifies the resulting state as schema rows (``kvfs.schema``), independently of
+the code that maintains it:
 
 * the backup superblock matches the primary;
 * the directory tree: every entry names an existing inode, every inode is
@@ -22,13 +24,11 @@ import logging
 
 import trio
 
-from . import format as fmt
-from .blockcache import BlockCache
-from .blockindex import BlockIndex, _aligned
+from . import schema
 from .device import Device
 from .errors import CorruptBlock, DeviceError, FormatError
-from .extents import Allocator, ExtentStore
-from .namespace import ROOT_INO, Namespace
+from .namespace import ROOT_INO
+from .stack import load_tree
 
 log = logging.getLogger(__name__)
 
@@ -61,41 +61,15 @@ class _LogToReport(logging.Handler):
         self.report.notes.append(f"{record.levelname.lower()}: {record.getMessage()}")
 
 
-class _SalvagingNamespace(Namespace):
-    """A namespace that, while ``salvaging``, skips replayed records that do not apply.
-
-    Used only when durable state proves that records were lost: the records
-    after the loss were written against a state fsck no longer has, so some of
-    them name inodes, names or extents that do not exist (or are taken). A
-    skipped record may have applied partly; the checks after loading find and
-    repair what that left behind (references are recounted, the free map is
-    rebuilt, unreachable inodes dropped).
-    """
-
-    salvaging = False
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.skipped = 0
-
-    def apply(self, rec):
-        if not self.salvaging:
-            return super().apply(rec)
-        try:
-            super().apply(rec)
-        except Exception:               # noqa: BLE001 - any record that does not apply is skipped
-            self.skipped += 1
-
-
 def show(path):
     """A byte path for display; never decoded back (names are bytes end to end)."""
     return path.decode("utf-8", "backslashreplace")
 
 
 def restore_superblock_from_backup(device):
-    head = device.pread_sync(0, 2 * fmt.SECTOR)
-    fmt.Superblock.decode(head[fmt.SECTOR:])           # raises if the backup is bad too
-    device.pwrite_sync(0, head[fmt.SECTOR:])
+    head = device.pread_sync(0, 2 * schema.SECTOR)
+    schema.Superblock.decode(head[schema.SECTOR:])           # raises if the backup is bad too
+    device.pwrite_sync(0, head[schema.SECTOR:])
     device.sync_sync()
 
 
@@ -111,74 +85,95 @@ def check(path, *, repair=False, verify_data=True):
         kvfs_log.removeHandler(collector)
 
 
+class State:
+    """The durable state as fsck sees it: schema rows, indexed for the checks, edited by repairs."""
+
+    def __init__(self, checkpoint_state, blocks, free):
+        self.next_ino = checkpoint_state.next_ino
+        self.inodes = {row.ino: row for row in checkpoint_state.inodes}
+        self.provisional = [i for i in checkpoint_state.provisional if i in self.inodes]
+        self.blocks = {row.key: row for row in blocks}
+        self.free = free
+        self.paths = {}
+
+    def file_rows(self):
+        return [row for row in self.inodes.values() if schema_is_file(row)]
+
+    def to_checkpoint(self):
+        return schema.CheckpointState(next_ino=self.next_ino, inodes=list(self.inodes.values()),
+                                      blocks=list(self.blocks.values()), free=None,
+                                      provisional=self.provisional)
+
+
+def schema_is_dir(row):
+    return (row.mode & 0o170000) == 0o040000
+
+
+def schema_is_file(row):
+    return (row.mode & 0o170000) == 0o100000
+
+
 def _check(path, report, repair, verify_data):
     device = Device.open(path, readonly=not repair)
     try:
-        head = device.pread_sync(0, 2 * fmt.SECTOR)
+        head = device.pread_sync(0, 2 * schema.SECTOR)
         try:
-            fmt.Superblock.decode(head[:fmt.SECTOR])
+            schema.Superblock.decode(head[:schema.SECTOR])
         except FormatError as exc:
             if not repair:
                 raise
             restore_superblock_from_backup(device)
             report.repairs.append(f"primary superblock was bad ({exc}); restored it from the backup")
-        if head[:fmt.SECTOR] != head[fmt.SECTOR:]:
+        if head[:schema.SECTOR] != head[schema.SECTOR:]:
             report.problem("backup superblock differs from the primary")
             if repair:
-                device.pwrite_sync(fmt.SECTOR, device.pread_sync(0, fmt.SECTOR))
+                device.pwrite_sync(schema.SECTOR, device.pread_sync(0, schema.SECTOR))
                 report.repairs.append("rewrote the backup superblock")
-        store = ExtentStore.open(device, salvage=True)
-        report.notes.append(f"journal: {store.replay_report}")
-        for damage in store.damage:
-            report.problem(f"{damage}: committed changes were lost; mount refuses this store")
-        index = BlockIndex(store)
-        cache = BlockCache(index, cache_size=64 << 20, dirty_limit=32 << 20)
-        ns = _SalvagingNamespace(cache, store)
-        ns.salvaging = bool(store.damage)
         try:
-            ns.load(store.checkpoint_state, store.replay_records)
+            store, index, tree, loaded, skipped = load_tree(device, salvage=True)
+        except FormatError:
+            raise
         except Exception as exc:
             raise FormatError(f"journal replay failed: {exc!r}") from None
-        ns.salvaging = False
-        if store.damage:
-            _account_losses(store, ns, report)
-        store.finish_replay()
-        store.set_snapshot_source(ns.snapshot)
-        named = _count_names(ns)          # before any repair removes a file
-        _check_tree(ns, report, repair)
-        bad_keys = _check_data(index, report, verify_data)
-        _check_space(store, index, report)
-        _check_blocks(ns, index, report, repair, bad_keys, named)
-        if repair:
-            _rebuild_free_map(store, index)
+        report.notes.append(f"journal: {loaded.replay_report}")
+        for damage in loaded.damage:
+            report.problem(f"{damage}: committed changes were lost; mount refuses this store")
+        if loaded.damage:
+            _account_losses(store, loaded, skipped, report)
+        state = State(tree.snapshot(), index.rows(), store.free_extents())
+        named = _count_names(state)          # before any repair removes a file
+        _check_tree(state, report, repair)
+        bad_keys = _check_data(index, state, report, verify_data)
+        _check_space(store.sb, state, report)
+        _check_blocks(state, report, repair, bad_keys, named)
         if repair and (report.problems or report.repairs):
             # Above every generation seen: a newer generation's leftover frames
             # must never replay on top of the repaired state.
-            store.generation = max(store.generation, store.highest_generation)
-            trio.run(store.checkpoint)
-            report.repairs.append(f"wrote checkpoint generation {store.generation}")
+            generation = trio.run(store.write_repaired, state.to_checkpoint(), _complement(store.sb, state),
+                                  loaded.highest_generation)
+            report.repairs.append(f"wrote checkpoint generation {generation}")
         return report
     finally:
         device.close()
 
 
-def _account_losses(store, ns, report):
-    lost_frames = store.replay_report.get("lost_frames", 0)
-    applied = len(store.replay_records) - ns.skipped
-    if store.generation < store.highest_generation:
+def _account_losses(store, loaded, skipped, report):
+    lost_frames = loaded.replay_report.get("lost_frames", 0)
+    applied = len(loaded.records) - skipped
+    if store.generation < loaded.highest_generation:
         report.lost.append(f"changes made between checkpoint generation {store.generation} and "
-                           f"generation {store.highest_generation} (they were in a damaged checkpoint or in "
+                           f"generation {loaded.highest_generation} (they were in a damaged checkpoint or in "
                            f"journal frames since overwritten)")
     if lost_frames:
         report.lost.append(f"{lost_frames} corrupt journal frame(s) and the records in them")
-    if ns.skipped:
-        report.lost.append(f"{ns.skipped} of {len(store.replay_records)} replayed record(s) that no longer "
+    if skipped:
+        report.lost.append(f"{skipped} of {len(loaded.records)} replayed record(s) that no longer "
                            f"apply were skipped; {applied} applied")
-    elif store.replay_records:
+    elif loaded.records:
         report.notes.append(f"all {applied} replayed record(s) after the loss applied")
 
 
-def _paths(ns):
+def _paths(state):
     """inode -> list of (path, parent inode, name), walking from the root; paths are bytes."""
     paths = collections.defaultdict(list)
     paths[ROOT_INO].append((b"/", None, None))
@@ -186,151 +181,134 @@ def _paths(ns):
     seen = {ROOT_INO}
     while todo:
         ino, prefix = todo.pop()
-        for name, (child, _) in list(ns.inodes[ino].entries.by_name.items()):
+        for name, child in list(state.inodes[ino].entries):
             path = prefix + b"/" + name
             paths[child].append((path, ino, name))
-            node = ns.inodes.get(child)
-            if node is not None and node.is_dir and child not in seen:
+            node = state.inodes.get(child)
+            if node is not None and schema_is_dir(node) and child not in seen:
                 seen.add(child)
                 todo.append((child, path))
     return paths
 
 
-def _forget_inode(ns, inode):
-    """Take an inode out of the namespace without touching block references.
-
-    fsck recounts every reference from the remaining files afterwards, so the
-    inode's blocks (some of which may be missing from the index) need no
-    dereferencing here.
-    """
-    ns.inodes.pop(inode.ino, None)
-    if inode.is_file:
-        ns._forget_content_key(inode)
-        inode.committed = []
+def _remove_entry(state, parent, name):
+    directory = state.inodes[parent]
+    directory.payload[1] = [(n, i) for n, i in directory.entries if n != name]
 
 
-def _check_tree(ns, report, repair):
-    for ino, inode in list(ns.inodes.items()):
-        if not inode.is_dir:
+def _check_tree(state, report, repair):
+    for ino, row in list(state.inodes.items()):
+        if not schema_is_dir(row):
             continue
-        for name, (child, _) in list(inode.entries.by_name.items()):
-            if child not in ns.inodes:
+        for name, child in list(row.entries):
+            if child not in state.inodes:
                 report.problem(f"directory {ino} entry {name!r} names missing inode {child}")
                 if repair:
-                    inode.entries.remove(name)
-    top = max(ns.inodes)
-    if ns.next_ino <= top:
-        report.problem(f"next inode number {ns.next_ino} is not above the largest in use ({top})")
+                    _remove_entry(state, ino, name)
+    top = max(state.inodes)
+    if state.next_ino <= top:
+        report.problem(f"next inode number {state.next_ino} is not above the largest in use ({top})")
         if repair:
-            ns.next_ino = top + 1
-    paths = _paths(ns)
+            state.next_ino = top + 1
+    paths = _paths(state)
     links = collections.Counter()
     subdirs = collections.Counter()
-    for inode in ns.inodes.values():
-        if inode.is_dir:
-            for _, (child, _) in inode.entries.by_name.items():
+    for row in state.inodes.values():
+        if schema_is_dir(row):
+            for _, child in row.entries:
                 links[child] += 1
-                if child in ns.inodes and ns.inodes[child].is_dir:
-                    subdirs[inode.ino] += 1
-                    if ns.inodes[child].parent != inode.ino:
-                        report.problem(f"directory {child} has parent {ns.inodes[child].parent}, "
-                                       f"but is listed in {inode.ino}")
+                node = state.inodes.get(child)
+                if node is not None and schema_is_dir(node):
+                    subdirs[row.ino] += 1
+                    if node.parent != row.ino:
+                        report.problem(f"directory {child} has parent {node.parent}, but is listed in {row.ino}")
                         if repair:
-                            ns.inodes[child].parent = inode.ino
-    for ino, inode in list(ns.inodes.items()):
+                            node.payload[0] = row.ino
+    for ino, row in list(state.inodes.items()):
         if ino != ROOT_INO and ino not in paths:
             report.problem(f"inode {ino} is not reachable from the root")
             if repair:
-                _forget_inode(ns, inode)
+                del state.inodes[ino]
             continue
-        want = 2 + subdirs[ino] if inode.is_dir else links[ino]
-        if inode.nlink != want:
+        want = 2 + subdirs[ino] if schema_is_dir(row) else links[ino]
+        if row.nlink != want:
             where = show(paths[ino][0][0]) if paths[ino] else ino
-            report.problem(f"{where}: link count {inode.nlink}, expected {want}")
+            report.problem(f"{where}: link count {row.nlink}, expected {want}")
             if repair:
-                inode.nlink = want
-    ns.paths = paths
+                row.nlink = want
+    state.paths = paths
 
 
-def _check_data(index, report, verify_data):
+def _check_data(index, state, report, verify_data):
     """Read back every block and verify its content key; return the bad keys."""
     if not verify_data:
         return set()
     bad = set()
 
-    def verify(key, off, length):
+    def verify(row):
         try:
-            index._read_verified(key, off, length)
+            index.read_verified_sync(row.key, row.off, row.length)
         except (CorruptBlock, DeviceError) as exc:
-            return key, str(exc)
-        return key, None
+            return row.key, str(exc)
+        return row.key, None
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        jobs = [pool.submit(verify, key, e.off, e.length) for key, e in index.entries.items()]
-        for job in jobs:
-            key, error = job.result()
+        for key, error in pool.map(verify, list(state.blocks.values())):
             if error:
                 bad.add(key)
                 report.problem(f"block {key.hex()}: {error}")
     return bad
 
 
-def _count_names(ns):
+def _count_names(state):
     """How many times the files' durable contents name each key."""
     counted = collections.Counter()
-    for inode in ns.inodes.values():
-        if inode.is_file:
-            counted.update(k for k in inode.committed if k is not None)
+    for row in state.file_rows():
+        counted.update(k for k in row.keys if k is not None)
     return counted
 
 
-def _check_blocks(ns, index, report, repair, bad_keys, named):
+def _check_blocks(state, report, repair, bad_keys, named):
     damaged = []
-    for inode in ns.inodes.values():
-        if not inode.is_file:
-            continue
-        keys = [k for k in inode.committed if k is not None]
-        missing = [k for k in keys if k not in index.entries]
+    for row in state.file_rows():
+        keys = [k for k in row.keys if k is not None]
+        missing = [k for k in keys if k not in state.blocks]
         if missing or any(k in bad_keys for k in keys):
-            damaged.append(inode)
+            damaged.append(row)
             what = "missing" if missing else "corrupt"
-            for path, _, _ in ns.paths.get(inode.ino, []) or [(str(inode.ino).encode(), None, None)]:
+            for path, _, _ in state.paths.get(row.ino, []) or [(str(row.ino).encode(), None, None)]:
                 report.problem(f"{show(path)}: has {what} blocks; reading it gives EIO")
     if repair:
-        for inode in damaged:
+        for row in damaged:
             # The file goes as a whole, every name of it, in this pass; its
             # blocks are never turned into holes.
-            names = ns.paths.get(inode.ino, [])
-            now = ns.now()
+            names = state.paths.get(row.ino, [])
             for _, parent, name in names:
-                directory = ns.inodes.get(parent)
-                if directory is not None and directory.entries.get(name) == inode.ino:
-                    directory.entries.remove(name)
-                    directory.mtime = directory.ctime = now
-            _forget_inode(ns, inode)
-            shown = ", ".join(show(p) for p, _, _ in names) or f"inode {inode.ino}"
+                if parent in state.inodes:
+                    _remove_entry(state, parent, name)
+            state.inodes.pop(row.ino, None)
+            shown = ", ".join(show(p) for p, _, _ in names) or f"inode {row.ino}"
             report.repairs.append(f"removed damaged file {shown}")
             report.lost.append(f"damaged file {shown}")
-    counted = _count_names(ns)            # after the repair above removed files
-    for key, entry in list(index.entries.items()):
-        if key not in bad_keys and entry.refs != named[key]:
-            report.problem(f"block {key.hex()}: reference count {entry.refs}, files name it {named[key]} times")
+    counted = _count_names(state)            # after the repair above removed files
+    for key, block in list(state.blocks.items()):
+        if key not in bad_keys and block.refs != named[key]:
+            report.problem(f"block {key.hex()}: reference count {block.refs}, files name it {named[key]} times")
         if repair:
             if counted[key] == 0 or key in bad_keys:
-                del index.entries[key]
-                index.used_bytes -= _aligned(entry.length)
+                del state.blocks[key]
             else:
-                entry.refs = counted[key]
-                entry.pins = 0
+                block.refs = counted[key]
 
 
-def _check_space(store, index, report):
+def _used_extents(state):
+    return sorted((b.off, schema.align_up(b.length)) for b in state.blocks.values())
+
+
+def _check_space(sb, state, report):
     """Block extents and free extents must tile the data region exactly."""
-    sb = store.sb
-    used = sorted((e.off, _aligned(e.length)) for e in index.entries.values())
-    free = store.allocator.extents()
     cursor = sb.data_off
-    for off, n in sorted(used + [(o, n) for o, n in free]):
+    for off, n in sorted(_used_extents(state) + [(o, n) for o, n in state.free]):
         if off < cursor:
             report.problem(f"extent at {off} overlaps the previous one")
         elif off > cursor:
@@ -340,16 +318,13 @@ def _check_space(store, index, report):
         report.problem(f"space map ends at {cursor}, data region ends at {sb.data_off + sb.data_len}")
 
 
-def _rebuild_free_map(store, index):
-    """Repair: the free map becomes the exact complement of the remaining block extents."""
-    sb = store.sb
-    used = sorted((e.off, _aligned(e.length)) for e in index.entries.values())
+def _complement(sb, state):
+    """Repair: the free map as the exact complement of the remaining block extents."""
     complement, cursor = [], sb.data_off
-    for off, n in used:
+    for off, n in _used_extents(state):
         if off > cursor:
             complement.append((cursor, off - cursor))
         cursor = max(cursor, off + n)
     if cursor < sb.data_off + sb.data_len:
         complement.append((cursor, sb.data_off + sb.data_len - cursor))
-    store.allocator = Allocator(sb.data_off, sb.data_len, complement)
-    store._pending_frees = []
+    return complement

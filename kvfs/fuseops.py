@@ -14,7 +14,8 @@ import stat
 
 import pyfuse3
 
-from .errors import FsError, KvfsError
+from .errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
+                     NotSupported)
 from .namespace import BY_HASH_INO, KEY_XATTR, NAME_MAX, ROOT_INO, VIEW_BIT
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ def _errno_mapped(handler):
             return await handler(self, *args)
         except pyfuse3.FUSEError:
             raise
+        except InternalError:
+            log.exception("bug in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         except KvfsError as exc:
             if exc.errno in (errno.EIO, errno.EUCLEAN, errno.ENOSPC):
                 log.warning("%s: %s", handler.__name__, exc)
@@ -69,7 +73,6 @@ class KvfsOperations(pyfuse3.Operations):
         self.owner_uid = os.getuid()
         self._dir_handles = {}
         self._next_dir_fh = 1
-        self._kill_suid_fhs = set()    # direct_io write handles of callers without CAP_FSETID
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -83,7 +86,7 @@ class KvfsOperations(pyfuse3.Operations):
         e.st_nlink = inode.nlink
         e.st_uid, e.st_gid, e.st_rdev = inode.uid, inode.gid, inode.rdev
         e.st_size = inode.size
-        e.st_blksize = self.ns.index.block_size
+        e.st_blksize = self.ns.block_size
         e.st_blocks = (inode.size + 511) // 512
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, inode.mtime, inode.ctime
         if ino & VIEW_BIT:
@@ -102,13 +105,8 @@ class KvfsOperations(pyfuse3.Operations):
         if self._privileged(ctx):
             return None
         if self.by_hash != "owner" or ctx is None:
-            raise FsError(errno.EACCES, "/.kvfs/by-hash is root-only on this mount")
+            raise AccessDenied("/.kvfs/by-hash is root-only on this mount")
         return ctx.uid, ctx.gid
-
-    def _new_gid(self, parent_inode, ctx):
-        """The group of a new entry: a set-group-ID directory's own, else the caller's."""
-        parent = self.ns.inodes.get(parent_inode)
-        return parent.gid if parent is not None and parent.mode & stat.S_ISGID else ctx.gid
 
     @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
@@ -116,9 +114,8 @@ class KvfsOperations(pyfuse3.Operations):
             return self._entry(await self.ns.lookup_view(name, self._view_caller(ctx)))
         try:
             return self._entry(self.ns.lookup(parent_inode, name))
-        except FsError as exc:
-            if exc.errno != errno.ENOENT or parent_inode == BY_HASH_INO:
-                raise
+        except NotFound:
+            pass
         # Cache the miss in the kernel: engines probe for chunks that are not
         # there (os.path.exists), and only this mount changes the namespace, so
         # the kernel drops the negative entry itself when the name is created.
@@ -152,10 +149,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def readlink(self, inode, ctx):
-        target = self.ns.inode(inode).target
-        if target is None:
-            raise FsError(errno.EINVAL)
-        return target
+        return self.ns.readlink(inode)
 
     # -- names ----------------------------------------------------------------
     @_errno_mapped
@@ -164,16 +158,12 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def mkdir(self, parent_inode, name, mode, ctx):
-        parent = self.ns.inodes.get(parent_inode)
-        if parent is not None:
-            mode |= parent.mode & stat.S_ISGID          # a setgid directory's subdirectories inherit it
-        return self._entry(self.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid,
-                                        self._new_gid(parent_inode, ctx)))
+        return self._entry(self.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid))
 
     @_errno_mapped
     async def symlink(self, parent_inode, name, target, ctx):
-        return self._entry(self.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid,
-                                        self._new_gid(parent_inode, ctx), target=bytes(target)))
+        return self._entry(self.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+                                        target=bytes(target)))
 
     @_errno_mapped
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -190,35 +180,22 @@ class KvfsOperations(pyfuse3.Operations):
     @_errno_mapped
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & ~pyfuse3.RENAME_NOREPLACE:
-            raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
+            raise InvalidArgument("only RENAME_NOREPLACE is supported")
         await self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                        noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
 
     # -- files ----------------------------------------------------------------
     @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):
-        ino = self.ns.make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid,
-                           self._new_gid(parent_inode, ctx))
-        fh, direct_io, keep_cache = self.ns.open(ino, flags)
-        self._note_writer(fh, direct_io, ctx)
+        ino = self.ns.make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+        fh, direct_io, keep_cache = self.ns.open(ino, flags, privileged=ctx.uid == 0)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), self._entry(ino)
 
     @_errno_mapped
     async def open(self, inode, flags, ctx):
-        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) == os.O_RDONLY:
-            # Linux truncates on O_RDONLY|O_TRUNC too (the kernel has checked write
-            # permission); with atomic_o_trunc it leaves that to us. (setattr refuses
-            # whatever open would refuse, so nothing is truncated for a failed open.)
-            await self.ns.setattr(inode, size=0)
-        fh, direct_io, keep_cache = self.ns.open(inode, flags)
-        self._note_writer(fh, direct_io, ctx)
+        # uid 0 stands in for CAP_FSETID (FUSE does not pass capabilities).
+        fh, direct_io, keep_cache = self.ns.open(inode, flags, privileged=ctx.uid == 0)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
-
-    def _note_writer(self, fh, direct_io, ctx):
-        # The kernel drops S_ISUID/S_ISGID on a write itself (file_remove_privs),
-        # but not on a direct_io write: there the filesystem must do it.
-        if direct_io and ctx.uid != 0 and self.ns.handle(fh).writable:
-            self._kill_suid_fhs.add(fh)
 
     @_errno_mapped
     async def read(self, fh, off, size):
@@ -226,13 +203,6 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def write(self, fh, off, buf):
-        if fh in self._kill_suid_fhs:
-            inode = self.ns.handle(fh).inode
-            kill = inode.mode & stat.S_ISUID
-            if inode.mode & stat.S_IXGRP:
-                kill |= inode.mode & stat.S_ISGID
-            if kill:
-                await self.ns.setattr(inode.ino, mode=inode.mode & ~kill)
         return await self.ns.write(fh, off, buf)
 
     async def flush(self, fh):
@@ -243,7 +213,6 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def release(self, fh):
-        self._kill_suid_fhs.discard(fh)
         await self.ns.release(fh)
 
     @_errno_mapped
@@ -289,7 +258,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def fsyncdir(self, fh, datasync):
-        await self.ns.journal.commit()
+        await self.ns.commit()
 
     @_errno_mapped
     async def statfs(self, ctx):
@@ -308,15 +277,13 @@ class KvfsOperations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INO and name == STATS_XATTR:
             if not self._privileged(ctx):
-                raise FsError(errno.EACCES, "statistics are readable by root and the mount's owner only")
+                raise AccessDenied("statistics are readable by root and the mount's owner only")
             return json.dumps(self.control.stats(), sort_keys=True).encode()
         if name == KEY_XATTR:
-            node = self.ns.inode(inode)
-            if node.is_file:
-                await self.ns.seal(node)          # the key names sealed content only
-                if not node.content_dirty:
-                    return node.content_key.hex().encode()
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            key = await self.ns.content_key(inode)      # the key names sealed content only
+            if key is not None:
+                return key.hex().encode()
+        raise NoData()
 
     @_errno_mapped
     async def listxattr(self, inode, ctx):
@@ -331,11 +298,11 @@ class KvfsOperations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         if inode == ROOT_INO and name == CONTROL_XATTR:
             if ctx.uid != 0:
-                raise FsError(errno.EPERM, "kvfs control commands need root")
+                raise NotPermitted("kvfs control commands need root")
             await self.control.command(bytes(value).decode("ascii", "replace"))
             return
-        raise FsError(errno.ENOTSUP, "kvfs stores no extended attributes")
+        raise NotSupported("kvfs stores no extended attributes")
 
     @_errno_mapped
     async def removexattr(self, inode, name, ctx):
-        raise FsError(errno.ENOTSUP, "kvfs stores no extended attributes")
+        raise NotSupported("kvfs stores no extended attributes")

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from ..errors import KvfsError
+from ..errors import InvalidArgument, KvfsError, NotFound, TimedOut, os_error
 from . import Parser, tool
 
 STATS_XATTR = "user.kvfs.stats"
@@ -19,13 +19,13 @@ CONTROL_XATTR = "user.kvfs.control"
 
 def _not_kvfs(mountpoint, exc):
     if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return KvfsError(f"{mountpoint} is not a mounted kvfs", errno.EINVAL)
-    return KvfsError(f"{mountpoint}: {exc.strerror}", exc.errno)
+        return InvalidArgument(f"{mountpoint} is not a mounted kvfs")
+    return os_error(exc, f"{mountpoint}: {exc.strerror}")
 
 
 def read_stats(mountpoint):
     if not os.path.isdir(mountpoint):
-        raise KvfsError(f"{mountpoint}: no such directory", errno.ENOENT)
+        raise NotFound(f"{mountpoint}: no such directory")
     try:
         return json.loads(os.getxattr(mountpoint, STATS_XATTR))
     except OSError as exc:
@@ -75,7 +75,7 @@ def umount(mountpoint, timeout=600):
             time.sleep(0.05)
         if not os.path.ismount(mountpoint):
             return
-    raise KvfsError(f"daemon {pid} did not exit within {timeout} s", errno.ETIMEDOUT)
+    raise TimedOut(f"daemon {pid} did not exit within {timeout} s")
 
 
 def _human(n):

@@ -10,9 +10,9 @@ import sys
 import trio
 
 from ..daemon import Daemon, Filesystem, MountOptions
-from ..errors import KvfsError
+from ..errors import Busy, InvalidArgument, KvfsError, NotFound
+from ..store.mkfs import make_filesystem
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
-from .mkfs import make_filesystem
 
 DEFAULT_STORE = "/var/lib/kvfs/default.kvfs"
 LOG_DIR = "/var/log/kvfs"
@@ -76,12 +76,12 @@ def parse_options(text):
             raise KvfsError("read-only mounts are not supported (option 'ro')", errno.EINVAL)
         if name in FLAG_OPTIONS:
             if has_value:
-                raise KvfsError(f"mount option {name!r} takes no value", errno.EINVAL)
+                raise InvalidArgument(f"mount option {name!r} takes no value")
             setattr(opts, name, True)
             continue
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "write_delay_ms", "log", "by_hash"}
         if name not in known:
-            raise KvfsError(f"unknown mount option {name!r}", errno.EINVAL)
+            raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
             raise KvfsError(f"mount option {name!r} needs a value ({name}=...)", errno.EINVAL)
         try:
@@ -100,9 +100,9 @@ def parse_options(text):
             else:
                 log_path = os.path.abspath(value)
         except argparse.ArgumentTypeError as exc:          # parse_size names the value itself
-            raise KvfsError(f"bad value for mount option {name!r}: {exc}", errno.EINVAL) from None
+            raise InvalidArgument(f"bad value for mount option {name!r}: {exc}") from None
         except ValueError as exc:
-            raise KvfsError(f"bad value for mount option {name!r}: {value!r} {exc}", errno.EINVAL) from None
+            raise InvalidArgument(f"bad value for mount option {name!r}: {value!r} {exc}") from None
         given.add(name)
     if "dirty_limit" not in given:
         opts.dirty_limit = opts.cache_size // 2
@@ -130,9 +130,9 @@ def ensure_default_store(path=DEFAULT_STORE):
 
 def check_mountpoint(path):
     if not os.path.isdir(path):
-        raise KvfsError(f"mountpoint {path} does not exist or is not a directory", errno.ENOENT)
+        raise NotFound(f"mountpoint {path} does not exist or is not a directory")
     if os.path.ismount(path):
-        raise KvfsError(f"mountpoint {path} is busy: something is already mounted there", errno.EBUSY)
+        raise Busy(f"mountpoint {path} is busy: something is already mounted there")
 
 
 def run_daemon(device, mountpoint, options, ready):

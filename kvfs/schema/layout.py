@@ -1,4 +1,4 @@
-"""The kvfs on-disk format. This module is its definition; docs/format.md explains it.
+"""The device layout: superblock, checkpoint header and journal frame header.
 
 Device layout (all offsets in bytes, every region 4 KiB aligned)::
 
@@ -35,9 +35,9 @@ import uuid as uuidlib
 
 import xxhash
 
-from .errors import FormatError
+from ..aligned import SECTOR, align_down, align_up
+from ..errors import FormatError
 
-SECTOR = 4096          # alignment of every metadata write and allocation unit
 MAGIC_SUPERBLOCK = b"KVFSSUPR"
 MAGIC_CHECKPOINT = b"KVFSCKPT"
 MAGIC_JOURNAL = b"KVFSJRNL"
@@ -92,14 +92,6 @@ JOURNAL_FRAME = struct.Struct(
     "Q"    # header_hash       xxh64 of the 40 bytes above, seeded with hash_seed
 )
 assert JOURNAL_FRAME.size == 48
-
-
-def align_up(n, a=SECTOR):
-    return (n + a - 1) // a * a
-
-
-def align_down(n, a=SECTOR):
-    return n // a * a
 
 
 def check_block_size(block_size):

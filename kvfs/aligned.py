@@ -1,0 +1,26 @@
+"""The ground floor: sector size, alignment arithmetic and page-aligned buffers.
+
+Every layer may use these; they depend on nothing in kvfs.
+"""
+import mmap
+
+SECTOR = 4096          # alignment of every device transfer, metadata write and allocation unit
+
+
+def align_up(n, a=SECTOR):
+    return (n + a - 1) // a * a
+
+
+def align_down(n, a=SECTOR):
+    return n // a * a
+
+
+def new_buffer(size):
+    """A zeroed, page-aligned anonymous buffer, its pages faulted in by one mmap call.
+
+    Page aligned, so the device can transfer into or out of it with O_DIRECT.
+    MAP_POPULATE makes the kernel fill the pages up front instead of taking a
+    fault per 4 KiB on first touch (in the event loop, holding the GIL).
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, size, flags=flags)

@@ -1,0 +1,126 @@
+"""The block cache: RAM write-back for dirty blocks, LRU for clean ones, prefetch.
+
+The cache knows nothing about inodes or names: a file's live content is a
+:class:`FileData`, owned by the namespace and passed in on every call. The
+cache talks only to the block index below it; what the namespace needs from
+the layers further down (content keys, references, records, space) it asks
+the cache, which passes it on (the section "passed down to the index").
+
+``reads``     the clean LRU, verified device reads, prefetch
+``writeback`` dirty buffers, back-pressure, flush workers, truncation
+``filedata``  FileData and Dirty
+"""
+import collections
+import dataclasses
+
+import trio
+
+from .filedata import Dirty, FileData, all_zero
+from .reads import ReadSide
+from .writeback import WriteBack
+
+__all__ = ["BlockCache", "CacheStatistics", "Dirty", "FileData", "all_zero"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStatistics:
+    cache_size: int
+    dirty_limit: int
+    cache_bytes: int
+    dirty_bytes: int
+    dirty_bytes_max: int
+    flush_backlog_bytes: int
+    cache_hits: int
+    cache_misses: int
+    prefetch_inflight: int
+    prefetch_inflight_max: int
+    blocks_flushed: int
+    zero_blocks: int
+    writers_throttled: int
+    bytes_read: int
+    bytes_written: int
+    read_requests: int
+    write_requests: int
+
+
+class BlockCache(ReadSide, WriteBack):
+    def __init__(self, index, *, cache_size, dirty_limit, read_depth=32, flush_workers=8):
+        self.index = index
+        self.bs = index.block_size
+        self.cache_size = max(cache_size, 4 * self.bs)
+        self.dirty_limit = max(min(dirty_limit, self.cache_size), 2 * self.bs)
+        self.read_depth = read_depth
+        self.flush_workers = flush_workers
+        self._clean = collections.OrderedDict()     # key -> read-only memoryview, LRU order
+        self._clean_bytes = 0
+        self._reading = {}                          # key -> Event, device reads in flight
+        self._read_slots = trio.Semaphore(read_depth)
+        self.dirty_bytes = 0
+        self._dirty = {}                            # id(Dirty) -> (FileData, Dirty), oldest first
+        self._dirty_freed = trio.Event()
+        self._ready = collections.deque()           # (FileData, Dirty) waiting for a worker
+        self._ready_event = trio.Event()
+        self._nursery = None
+        self._read_seq = 0                          # numbers read() calls, for buffer reuse
+        self._active_reads = {}                     # read() calls in progress (insertion ordered)
+        self._quarantine = collections.deque()      # (read seq at eviction, buffer)
+        self._clean_spare = []
+        self._clean_spare_max = self.cache_size // self.bs
+        self._spare = []                            # recycled dirty block buffers
+        self._spare_max = min(self.dirty_limit // self.bs, 256)
+        self._zero_block = bytes(self.bs)
+        self._s = collections.Counter()
+
+    # -- passed down to the index (the namespace talks only to the cache) ------
+    @property
+    def block_size(self):
+        return self.bs
+
+    def key_of(self, data):
+        return self.index.key_of(data)
+
+    def add_ref(self, key, off, length):
+        self.index.add_ref(key, off, length)
+
+    def drop_ref(self, key):
+        self.index.drop_ref(key)
+
+    def has_block(self, key):
+        return key in self.index.entries
+
+    def extent_of(self, key):
+        return self.index.extent(key)
+
+    def block_count(self):
+        return self.index.block_count()
+
+    def capacity_bytes(self):
+        return self.index.capacity_bytes()
+
+    def available_bytes(self):
+        return self.index.available_bytes()
+
+    def append_record(self, record):
+        self.index.append_record(record)
+
+    async def commit(self):
+        await self.index.commit()
+
+    async def checkpoint(self, state):
+        await self.index.checkpoint(state)
+
+    def checkpoint_capacity(self):
+        return self.index.checkpoint_capacity()
+
+    @property
+    def journal_fill(self):
+        return self.index.journal_fill
+
+    def statistics(self):
+        s = self._s
+        backlog = len(self._dirty) * self.bs       # dirty buffers not yet on the device
+        return CacheStatistics(self.cache_size, self.dirty_limit, self._clean_bytes, self.dirty_bytes,
+                               s["dirty_max"], backlog, s["hits"], s["misses"], s["inflight"],
+                               s["inflight_max"], s["flushed"],
+                               s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
+                               s["read_requests"], s["write_requests"])

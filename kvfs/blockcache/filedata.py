@@ -1,0 +1,44 @@
+"""A file's live content as the block cache sees it: blocks that are holes, stored keys or dirty buffers."""
+import trio
+
+
+class Dirty:
+    """A block's bytes in RAM that the device does not have yet."""
+
+    __slots__ = ("buf", "version", "queued", "attempts")
+
+    def __init__(self, buf):
+        self.buf = buf                     # zero-filled; bytes past the file's end stay zero
+        self.version = 0                   # bumped by every write; a flush of an old version is void
+        self.queued = False
+        self.attempts = 0
+
+
+class FileData:
+    """Live content of one regular file.
+
+    ``blocks[i]`` is None (a hole: zeros), a 16-byte key (a stored block,
+    pinned in the index), or a :class:`Dirty` buffer.
+    """
+
+    __slots__ = ("size", "blocks", "dirty_count", "failed", "prefetched_upto", "progress", "__weakref__")
+
+    def __init__(self, size=0, blocks=()):
+        self.size = size
+        self.blocks = list(blocks)
+        self.dirty_count = 0
+        self.failed = None              # the error class once a flush failed for good: reads raise it
+        self.prefetched_upto = 0
+        self.progress = trio.Event()       # set (and replaced) whenever one of its dirty blocks retires
+
+    def keys(self):
+        return [b if isinstance(b, bytes) else None for b in self.blocks]
+
+
+def all_zero(buf):
+    # Sample one byte per 4 KiB first: real KV data fails this at once, without
+    # copying the buffer. Only a buffer that looks zero gets the full check.
+    view = memoryview(buf)
+    if any(view[::4093]) or (len(view) and view[-1]):
+        return False
+    return bytes(view).count(0) == len(view)

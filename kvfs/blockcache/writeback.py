@@ -1,0 +1,294 @@
+"""The write side of the block cache: dirty buffers, back-pressure, flush workers, truncation.
+
+Writes land in per-block RAM buffers (:class:`Dirty`) and return at memory
+speed. Flush workers hash each buffer, store it through the block index (which
+skips the device write when the block already exists) and swap the buffer for
+the block's key. ``dirty_limit`` bounds the dirty bytes: a writer that would
+exceed it waits for the flushers (back-pressure), it never gets ENOMEM.
+"""
+import logging
+
+import trio
+
+from ..aligned import new_buffer
+from ..errors import KvfsError, NoSpace
+from .filedata import Dirty, all_zero
+
+log = logging.getLogger(__name__)
+
+FLUSH_RETRIES = 3
+
+
+class WriteBack:
+    """Mixed into :class:`~kvfs.blockcache.BlockCache`, which holds the state (see its __init__)."""
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Run the flush workers (and prefetches) until cancelled."""
+        send, recv = trio.open_memory_channel(0)     # workers pull; nothing queues unbounded
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for _ in range(self.flush_workers):
+                nursery.start_soon(self._flush_worker, recv.clone())
+            nursery.start_soon(self._dispatch, send)
+            task_status.started()
+
+    async def _dispatch(self, send):
+        while True:
+            while not self._ready:
+                await self._ready_event.wait()
+                self._ready_event = trio.Event()
+            await send.send(self._ready.popleft())
+
+    async def _flush_worker(self, recv):
+        async for filedata, d in recv:
+            await self._flush_one(filedata, d)
+
+    async def write(self, filedata, off, data):
+        if filedata.failed:
+            raise filedata.failed("file data was lost: its flush to the device failed")
+        bs = self.bs
+        view = memoryview(data)
+        pos = 0
+        while pos < len(view):
+            idx, inner = divmod(off + pos, bs)
+            n = min(bs - inner, len(view) - pos)
+            if self._is_hole(filedata, idx) and all_zero(view[pos:pos + n]):
+                pos += n                         # zeros into a hole (posix_fallocate's fallback): store nothing
+                continue
+            whole = inner == 0 and (n == bs or off + pos + n >= filedata.size)
+            d = await self._dirty_block(filedata, idx, need_base=not whole, covers_block=n == bs)
+            d.buf[inner:inner + n] = view[pos:pos + n]
+            d.version += 1
+            pos += n
+            if off + pos > filedata.size:
+                filedata.size = off + pos
+            if inner + n == bs:
+                self._enqueue(filedata, d)             # a full block: nothing more will land in it soon
+        if off + len(view) > filedata.size:
+            filedata.size = off + len(view)            # zeros written past the end into a hole
+        self._s["bytes_written"] += len(view)
+        self._s["write_requests"] += 1
+
+    @staticmethod
+    def _is_hole(filedata, idx):
+        return idx >= len(filedata.blocks) or filedata.blocks[idx] is None
+
+    async def _dirty_block(self, filedata, idx, need_base, covers_block=False):
+        """The Dirty buffer for block ``idx``, created (with its old bytes) if needed."""
+        while True:
+            current = filedata.blocks[idx] if idx < len(filedata.blocks) else None
+            if isinstance(current, Dirty):
+                return current
+            await self._admit()
+            current = filedata.blocks[idx] if idx < len(filedata.blocks) else None
+            if isinstance(current, Dirty):       # another writer made it while we waited
+                self._unadmit()
+                return current
+            base = None
+            if need_base and current is not None:
+                try:
+                    base = await self.get(current)
+                except BaseException:
+                    self._unadmit()
+                    raise
+                if (filedata.blocks[idx] if idx < len(filedata.blocks) else None) is not current:
+                    self._unadmit()
+                    continue
+            d = Dirty(self._new_buffer(zeroed=not covers_block))
+            if base is not None:
+                d.buf[:len(base)] = base
+            if idx >= len(filedata.blocks):
+                filedata.blocks.extend([None] * (idx + 1 - len(filedata.blocks)))
+            filedata.blocks[idx] = d
+            if current is not None:
+                self.index.unpin(current)
+            self._dirty[id(d)] = (filedata, d)
+            filedata.dirty_count += 1
+            return d
+
+    async def _admit(self):
+        """Wait for room under dirty_limit and reserve device space for one block."""
+        if self.dirty_bytes + self.bs > self.dirty_limit:
+            self._s["throttled"] += 1
+            while self.dirty_bytes + self.bs > self.dirty_limit:
+                self._flush_oldest()
+                await self._dirty_freed.wait()
+        self.dirty_bytes += self.bs
+        self._s["dirty_max"] = max(self._s["dirty_max"], self.dirty_bytes)
+        while True:
+            try:
+                await self.index.reserve(self.bs)
+                return
+            except KvfsError:
+                if len(self._dirty) == 0 or not self._flush_pending():
+                    self._unadmit(reserved=False)
+                    raise
+                # Flushes in flight may dedup and hand back their reservations.
+                await self._dirty_freed.wait()
+
+    def _flush_pending(self):
+        self._flush_oldest()
+        return bool(self._ready) or any(d.queued for _, d in self._dirty.values())
+
+    def _unadmit(self, reserved=True):
+        self.dirty_bytes -= self.bs
+        if reserved:
+            self.index.unreserve(self.bs)
+        self._wake_writers()
+
+    def _wake_writers(self):
+        self._dirty_freed.set()
+        self._dirty_freed = trio.Event()
+
+    def _flush_oldest(self):
+        """Under pressure, queue the oldest dirty blocks even if they are not full."""
+        budget = max(2 * self.flush_workers, 4)
+        for filedata, d in list(self._dirty.values())[:budget]:
+            self._enqueue(filedata, d)
+
+    def _enqueue(self, filedata, d):
+        if not d.queued:
+            d.queued = True
+            self._ready.append((filedata, d))
+            self._ready_event.set()
+
+    def _new_buffer(self, zeroed):
+        """A block buffer; recycled ones are already faulted in.
+
+        A write that covers the whole block overwrites every byte, so only
+        partial writes need the recycled buffer zeroed.
+        """
+        if self._spare:
+            buf = self._spare.pop()
+            if zeroed:
+                buf[:] = self._zero_block
+            return buf
+        # Page aligned, so the device can write it with O_DIRECT without a copy.
+        return new_buffer(self.bs)
+
+    def _retire(self, filedata, d):
+        """``d`` has left ``filedata.blocks``: give back its memory and reservation."""
+        if len(self._spare) < self._spare_max:
+            self._spare.append(d.buf)
+        d.buf = None
+        del self._dirty[id(d)]
+        filedata.dirty_count -= 1
+        filedata.progress.set()
+        filedata.progress = trio.Event()
+        self._unadmit()
+
+    async def _flush_one(self, filedata, d):
+        # ``d.queued`` stays set while we work, so the block is not flushed twice at once.
+        try:
+            idx = filedata.blocks.index(d)
+        except ValueError:
+            d.queued = False
+            return                                   # truncated away or already retired
+        length = min(self.bs, filedata.size - idx * self.bs)
+        version = d.version
+        # Hash and write straight from the buffer, without a snapshot copy. A
+        # write that lands meanwhile bumps d.version, and the result is then
+        # discarded below, so a torn buffer is never named by a key.
+        buf = d.buf
+        view = memoryview(buf)[:length]
+        try:
+            key = None if all_zero(view) else await self.index.store_block(view, source=buf)
+        except KvfsError as exc:
+            d.attempts += 1
+            d.queued = False
+            log.error("flushing a block failed (attempt %d): %s", d.attempts, exc)
+            if d.attempts >= FLUSH_RETRIES or isinstance(exc, NoSpace):
+                self._fail_file(filedata, type(exc))
+            else:
+                await trio.sleep(0.2 * d.attempts)
+                self._enqueue(filedata, d)
+            return
+        d.queued = False
+        still_current = (idx < len(filedata.blocks) and filedata.blocks[idx] is d and d.version == version
+                         and min(self.bs, filedata.size - idx * self.bs) == length)
+        if not still_current:
+            if key is not None:
+                self.index.unpin(key)                # superseded while we wrote it
+            if d in filedata.blocks:
+                self._enqueue(filedata, d)                 # someone asked for it: flush the new version
+            return
+        # Freshly written blocks are not copied into the clean cache: the copy
+        # into new memory cost more than the rare read-back from the device.
+        view.release()
+        filedata.blocks[idx] = key
+        self._retire(filedata, d)
+        self._s["flushed"] += 1
+        if key is None:
+            self._s["zero_blocks"] += 1
+
+    def _fail_file(self, filedata, err):
+        """A block cannot be stored: the file's new content is lost, and reads say so."""
+        filedata.failed = err
+        for idx, entry in enumerate(filedata.blocks):
+            if isinstance(entry, Dirty):
+                filedata.blocks[idx] = None
+                self._retire(filedata, entry)
+
+    async def flush_file(self, filedata):
+        """Return once every block of ``filedata`` written so far is stored."""
+        while filedata.dirty_count:
+            for entry in filedata.blocks:
+                if isinstance(entry, Dirty):
+                    self._enqueue(filedata, entry)
+            await filedata.progress.wait()
+        if filedata.failed:
+            raise filedata.failed("flushing the file to the device failed")
+
+    async def flush_all(self):
+        files = {id(filedata): filedata for filedata, _ in self._dirty.values()}
+        async with trio.open_nursery() as nursery:
+            for filedata in files.values():
+                nursery.start_soon(self._flush_quietly, filedata)
+
+    async def _flush_quietly(self, filedata):
+        try:
+            await self.flush_file(filedata)
+        except KvfsError as exc:
+            log.error("flush failed: %s", exc)
+
+    # -- content changes ----------------------------------------------------
+    async def truncate(self, filedata, size):
+        bs = self.bs
+        if size < filedata.size and size % bs:
+            idx = size // bs
+            if not self._is_hole(filedata, idx):
+                d = await self._dirty_block(filedata, idx, need_base=True)
+                d.buf[size % bs:] = bytes(bs - size % bs)
+                d.version += 1
+        keep = (size + bs - 1) // bs
+        for entry in filedata.blocks[keep:]:
+            self._drop_entry(filedata, entry)
+        del filedata.blocks[keep:]
+        filedata.size = size
+        if size == 0:
+            filedata.failed = None                 # nothing of the lost content remains
+        filedata.prefetched_upto = min(filedata.prefetched_upto, keep)
+
+    def _drop_entry(self, filedata, entry):
+        if isinstance(entry, Dirty):
+            self._retire(filedata, entry)
+        elif entry is not None:
+            self.index.unpin(entry)
+
+    def release(self, filedata):
+        """The file is gone or emptied: drop its dirty buffers and unpin its blocks.
+
+        An emptied file (O_TRUNC) has lost nothing, so a failed flush of its
+        earlier content no longer makes it unreadable.
+        """
+        for entry in filedata.blocks:
+            self._drop_entry(filedata, entry)
+        filedata.blocks = []
+        filedata.size = 0
+        filedata.failed = None
+
+    def attach(self, filedata):
+        """Pin the stored blocks of a FileData built from durable state."""
+        for entry in filedata.blocks:
+            if entry is not None:
+                self.index.pin(entry)

@@ -1,0 +1,462 @@
+"""The namespace: POSIX operations on inodes and names, lookup counts, open files.
+
+It talks only to the block cache below it. Its parts:
+
+``inodes``      Inode, DirEntries, ViewInode, reserved inode numbers, metadata costs
+``tree``        the durable tree: records applied (live and at replay), load, snapshot
+``view``        the read-only ``/.kvfs/by-hash`` view
+``durability``  sealing files, commits and checkpoints, background upkeep
+this module     the operations the FUSE layer calls
+"""
+import dataclasses
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from .. import schema
+from ..errors import (BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
+                      NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
+from .durability import Durability
+from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO,
+                     INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
+                     ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
+from .tree import Tree
+from .view import ByHashView
+
+__all__ = ["BY_HASH_INO", "FIRST_INO", "KEY_XATTR", "META_DIR_INO", "META_NAME", "NAME_MAX", "ROOT_INO",
+           "VIEW_BIT", "DirEntries", "Inode", "Namespace", "NamespaceStatistics", "SpaceFigures", "Tree"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaceFigures:
+    capacity_bytes: int
+    available_bytes: int
+    inodes: int
+    free_inodes: int
+    block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceStatistics:
+    inodes: int
+    files: int
+    directories: int
+    logical_bytes: int
+    open_handles: int
+    orphans: int
+    next_ino: int
+    metadata_bytes: int          # estimated checkpoint size of the durable state
+    metadata_capacity: int       # what the checkpoint slot allows, less the margin
+
+
+class Namespace(Durability):
+    def __init__(self, cache, *, now=time.time_ns):
+        self.cache = cache
+        self.now = now
+        self.tree = Tree(cache, now)
+        self.view = ByHashView(self.tree, cache)
+        self.handles = {}
+        self._next_fh = 1
+        self._nursery = None
+        self._durability_lock = trio.Lock()
+
+    def load(self, state, records):
+        """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
+        self.tree.load(state, records)
+
+    # -- space ----------------------------------------------------------------
+    @property
+    def block_size(self):
+        return self.cache.block_size
+
+    def metadata_bytes(self):
+        return self.tree.metadata_bytes()
+
+    def metadata_capacity(self):
+        return int(self.cache.checkpoint_capacity() * (1 - CHECKPOINT_MARGIN))
+
+    def _charge_metadata(self, nbytes):
+        """Refuse with ENOSPC an operation whose ``nbytes`` of metadata would not fit."""
+        if self.metadata_bytes() + nbytes > self.metadata_capacity():
+            raise NoSpace("no metadata space left (the checkpoint slot is full)")
+
+    def statfs(self):
+        """Space and inode figures for statfs: data bytes, and inodes as metadata space allows."""
+        free_inodes = max(0, self.metadata_capacity() - self.metadata_bytes())
+        free_inodes //= INODE_ROW_COST + DIR_ENTRY_COST + TYPICAL_NAME
+        return SpaceFigures(capacity_bytes=self.cache.capacity_bytes(),
+                            available_bytes=max(0, self.cache.available_bytes()),
+                            inodes=len(self.tree.inodes) + free_inodes, free_inodes=free_inodes,
+                            block_size=self.block_size)
+
+    # -- lookups --------------------------------------------------------------
+    def inode(self, ino):
+        return self.view.inode(ino) if ino & VIEW_BIT else self.tree.inode(ino)
+
+    @staticmethod
+    def _check_name(name):
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"name longer than {NAME_MAX} bytes")
+        if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+            raise InvalidArgument("invalid name")
+
+    def lookup(self, parent, name):
+        """Resolve a name; counts one kernel lookup on success. Returns an inode number."""
+        if len(name) > NAME_MAX:
+            raise NameTooLong()
+        if parent == ROOT_INO and name == META_NAME:
+            return META_DIR_INO
+        if parent == META_DIR_INO:
+            if name == b"by-hash":
+                return BY_HASH_INO
+            raise NotFound()
+        if parent == BY_HASH_INO:
+            return self.view.lookup_all(name)
+        child = self.tree.dir(parent).entries.get(name)
+        if child is None:
+            raise NotFound()
+        self.tree.inodes[child].lookups += 1
+        return child
+
+    async def lookup_view(self, name, caller):
+        """by-hash/<name> for ``caller``: None (sees all) or (uid, gid)."""
+        return await self.view.lookup(name, caller)
+
+    async def view_listing(self, caller):
+        return await self.view.listing(caller)
+
+    def release_view_listing(self, listing):
+        self.view.release_listing(listing)
+
+    def forget(self, ino, count):
+        if ino < FIRST_INO:
+            return
+        if ino & VIEW_BIT:
+            self.view.forget(ino, count)
+            return
+        inode = self.tree.inodes.get(ino) or self.tree.orphans.get(ino)
+        if inode is not None:
+            inode.lookups = max(0, inode.lookups - count)
+            self.tree.maybe_destroy(inode)
+
+    def attr(self, ino):
+        """Return (inode-like attribute source, read_only)."""
+        if ino in (META_DIR_INO, BY_HASH_INO):
+            root = self.tree.inodes[ROOT_INO]
+            fake = Inode(ino, stat.S_IFDIR | 0o555, 0, 0, now=root.ctime)
+            fake.atime, fake.mtime = root.atime, root.mtime
+            return fake, False
+        return self.inode(ino), bool(ino & VIEW_BIT)
+
+    def readlink(self, ino):
+        target = self.inode(ino).target
+        if target is None:
+            raise InvalidArgument("not a symlink")
+        return target
+
+    async def content_key(self, ino):
+        """The key of a file's sealed content (``user.kvfs.key``), or None while it is changing."""
+        inode = self.inode(ino)
+        if not inode.is_file:
+            return None
+        if not ino & VIEW_BIT:
+            await self.seal(inode)
+        return None if inode.content_dirty else inode.content_key
+
+    # -- creating and removing ---------------------------------------------
+    def _new_entry_checks(self, parent, name):
+        self._check_name(name)
+        directory = self.tree.dir(parent)
+        if parent == ROOT_INO and name == META_NAME:
+            raise Exists(".kvfs is reserved")
+        if directory.ino not in self.tree.inodes:
+            raise NotFound("directory was removed")
+        if directory.entries.get(name) is not None:
+            raise Exists()
+        return directory
+
+    @staticmethod
+    def _check_writable_dir(parent):
+        if parent in (META_DIR_INO, BY_HASH_INO) or parent & VIEW_BIT:
+            raise ReadOnly("/.kvfs is read-only")
+
+    def make(self, parent, name, mode, uid, gid, rdev=0, target=None):
+        """mknod / mkdir / symlink / create: returns the new inode number (one lookup).
+
+        In a set-group-ID directory the entry takes the directory's group, and a
+        new subdirectory inherits the bit, as on every Linux filesystem.
+        """
+        self._check_writable_dir(parent)
+        directory = self._new_entry_checks(parent, name)
+        if stat.S_IFMT(mode) not in SUPPORTED_TYPES:
+            raise InvalidArgument(f"unknown file type {stat.S_IFMT(mode):#o}")
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
+        if directory.mode & stat.S_ISGID:
+            gid = directory.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        self._charge_metadata(INODE_ROW_COST + DIR_ENTRY_COST + len(name) + len(target or b""))
+        ino = self.tree.next_ino
+        self._emit(schema.Make(parent, name, ino, mode, uid, gid, rdev, self.now(), target))
+        inode = self.tree.inodes[ino]
+        inode.lookups += 1
+        if inode.is_file:
+            self.cache.attach(inode.data)
+            inode.content_dirty = True         # provisional until its first content record
+        return ino
+
+    def link(self, ino, parent, name):
+        self._check_writable_dir(parent)
+        inode = self.inode(ino)
+        if ino & VIEW_BIT:
+            raise ReadOnly()
+        if inode.is_dir:
+            raise NotPermitted("hard links to directories are not allowed")
+        if inode.ino not in self.tree.inodes:
+            raise NotFound("file was removed")
+        self._new_entry_checks(parent, name)
+        self._charge_metadata(DIR_ENTRY_COST + len(name))
+        self._emit(schema.Link(inode.ino, parent, name, self.now()))
+        inode.lookups += 1
+        return inode.ino
+
+    def unlink(self, parent, name, *, directory):
+        self._check_writable_dir(parent)
+        if len(name) > NAME_MAX:
+            raise NameTooLong()
+        if parent == ROOT_INO and name == META_NAME:
+            raise NotPermitted(".kvfs cannot be removed")
+        child = self.tree.dir(parent).entries.get(name)
+        if child is None:
+            raise NotFound()
+        inode = self.tree.inodes[child]
+        if directory and not inode.is_dir:
+            raise NotADirectory()
+        if not directory and inode.is_dir:
+            raise IsADirectory()
+        if directory and len(inode.entries):
+            raise NotEmpty()
+        self._emit(schema.Remove(parent, name, self.now()))
+
+    async def rename(self, old_parent, old_name, new_parent, new_name, *, noreplace=False):
+        """Rename; a closed file's pending content is recorded first.
+
+        Engines publish a chunk by writing a temp file and renaming it over the
+        final name. If the rename became durable before the temp file's content
+        record, a crash would leave the final name empty (ext4's auto_da_alloc
+        exists for the same reason).
+        """
+        self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
+        inode = self.tree.inodes[self.tree.dir(old_parent).entries.get(old_name)]
+        if inode.is_file and inode.content_dirty and not inode.writers:
+            await self.seal(inode)
+            self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
+        if self.tree.dir(new_parent).entries.get(new_name) == self.tree.dir(old_parent).entries.get(old_name):
+            return                                  # POSIX: renaming a link onto itself does nothing
+        if len(new_name) > len(old_name):
+            self._charge_metadata(len(new_name) - len(old_name))
+        self._emit(schema.Move(old_parent, old_name, new_parent, new_name, self.now()))
+
+    def _check_rename(self, old_parent, old_name, new_parent, new_name, noreplace):
+        for parent in (old_parent, new_parent):
+            self._check_writable_dir(parent)
+        self._check_name(new_name)
+        if META_NAME in (old_name, new_name) and ROOT_INO in (old_parent, new_parent):
+            raise NotPermitted(".kvfs is reserved")
+        src_dir, dst_dir = self.tree.dir(old_parent), self.tree.dir(new_parent)
+        if src_dir.ino not in self.tree.inodes or dst_dir.ino not in self.tree.inodes:
+            raise NotFound("directory was removed")
+        child = src_dir.entries.get(old_name)
+        if child is None:
+            raise NotFound()
+        inode = self.tree.inodes[child]
+        target = dst_dir.entries.get(new_name)
+        if target is not None:
+            if noreplace:
+                raise Exists()
+            if target == child:
+                return
+            victim = self.tree.inodes[target]
+            if inode.is_dir and not victim.is_dir:
+                raise NotADirectory()
+            if not inode.is_dir and victim.is_dir:
+                raise IsADirectory()
+            if victim.is_dir and len(victim.entries):
+                raise NotEmpty()
+        if inode.is_dir:
+            up = dst_dir.ino
+            while up != ROOT_INO:                   # no moving a directory into itself
+                if up == inode.ino:
+                    raise InvalidArgument("cannot move a directory into itself")
+                up = self.tree.inodes[up].parent
+
+    # -- attributes ---------------------------------------------------------
+    async def setattr(self, ino, *, size=None, mode=None, uid=None, gid=None, atime=None, mtime=None):
+        inode = self.inode(ino)
+        if ino & VIEW_BIT:
+            raise ReadOnly()
+        now = self.now()
+        if size is not None:
+            if not inode.is_file:
+                raise IsADirectory() if inode.is_dir else InvalidArgument()
+            await self._with_space(lambda: self.cache.truncate(inode.data, size))
+            self._content_changed(inode, now)
+            if not inode.writers:
+                self._schedule_seal(inode)
+        changed = any(v is not None for v in (mode, uid, gid, atime, mtime))
+        if changed and inode.ino in self.tree.inodes:
+            new_mode = inode.mode if mode is None else (inode.mode & ~0o7777) | (mode & 0o7777)
+            self._emit(schema.Attrs(inode.ino, new_mode,
+                                    inode.uid if uid is None else uid, inode.gid if gid is None else gid,
+                                    inode.atime if atime is None else atime,
+                                    inode.mtime if mtime is None else mtime, now))
+
+    # -- file data ------------------------------------------------------------
+    def open(self, ino, flags, *, privileged=True):
+        """Open a file; returns (fh, direct_io, keep_cache).
+
+        ``privileged``: the caller may keep set-ID bits when it writes (CAP_FSETID).
+        """
+        inode = self.inode(ino)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if inode.is_dir:
+            raise IsADirectory()
+        if not inode.is_file:
+            raise InvalidArgument()
+        view = bool(ino & VIEW_BIT)
+        if view and (writable or flags & os.O_TRUNC):
+            raise ReadOnly("/.kvfs/by-hash is read-only")
+        fh = self._next_fh
+        self._next_fh += 1
+        if view:
+            self.view.open_data(inode)
+            self.handles[fh] = Handle(inode, False, True)
+            inode.opens += 1
+            # The inode number names this one content for the life of the mount,
+            # so whatever the kernel has cached for it is always right.
+            return fh, False, True
+        direct_io = (flags & os.O_ACCMODE) == os.O_WRONLY
+        self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged)
+        inode.opens += 1
+        if writable:
+            inode.writers += 1
+        if flags & os.O_TRUNC:
+            # Linux truncates on O_RDONLY|O_TRUNC too (the kernel checked write
+            # permission); with atomic_o_trunc it leaves that to the filesystem.
+            self._truncate_now(inode)
+            if not writable:
+                self._schedule_seal(inode)
+        if direct_io:
+            # A write-only descriptor cannot be mmapped, so it bypasses the page
+            # cache: the engines' one big write() goes to the daemon as 1 MiB
+            # requests without a copy into kernel pages. (The kernel invalidates
+            # cached pages of the range on each direct_io write.)
+            return fh, True, False
+        # Everything else uses the page cache, so MAP_SHARED mmap works on every
+        # file (numpy.memmap, torch.load(mmap=True), safetensors). Writes through
+        # it keep the kernel's pages current; pages are kept across opens only
+        # while nobody has written since they were cached.
+        keep = not writable and not inode.writers and inode.cached_version == inode.content_version
+        inode.cached_version = inode.content_version
+        if not writable:
+            self.cache.prefetch(inode.data)
+        return fh, False, keep
+
+    def _truncate_now(self, inode):
+        if inode.data.size or inode.data.blocks:
+            # Truncating to zero needs no old bytes, so this never awaits.
+            self.cache.release(inode.data)
+            self._content_changed(inode, self.now())
+
+    def _content_changed(self, inode, now):
+        inode.content_dirty = True
+        inode.content_version += 1
+        inode.mtime = inode.ctime = now
+
+    def handle(self, fh):
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise BadDescriptor() from None
+
+    async def read(self, fh, off, size):
+        return await self.cache.read(self.handle(fh).inode.data, off, size)
+
+    async def write(self, fh, off, data):
+        h = self.handle(fh)
+        if not h.writable:
+            raise BadDescriptor()
+        inode = h.inode
+        if h.kill_suid:
+            # The kernel drops set-ID bits on a write itself, but not on a
+            # direct_io write: there the filesystem must (POSIX, file_remove_privs).
+            kill = inode.mode & stat.S_ISUID | (inode.mode & stat.S_ISGID if inode.mode & stat.S_IXGRP else 0)
+            if kill:
+                await self.setattr(inode.ino, mode=inode.mode & ~kill)
+        new_blocks = -(-(off + len(data)) // self.block_size) - len(inode.data.blocks)
+        if new_blocks > 0:
+            self._charge_metadata(new_blocks * (FILE_KEY_COST + INDEX_BLOCK_COST))
+        await self._with_space(lambda: self.cache.write(inode.data, off, data))
+        self._content_changed(inode, self.now())
+        return len(data)
+
+    async def release(self, fh):
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        inode = h.inode
+        inode.opens -= 1
+        if h.view:
+            self.view.maybe_drop(inode)
+            return
+        if h.writable:
+            inode.writers -= 1
+            if inode.writers == 0:
+                self._schedule_seal(inode)
+        self.tree.maybe_destroy(inode)
+
+    async def fsync(self, fh):
+        h = self.handle(fh)
+        await self.seal(h.inode, force=True)
+        await self.commit()
+
+    # -- directories --------------------------------------------------------
+    def list_dir(self, ino, after):
+        """Yield (name, ino, cookie) after ``after``; the caller counts lookups."""
+        if ino == META_DIR_INO:
+            if after < 1:
+                yield b"by-hash", BY_HASH_INO, 1
+            return
+        if ino == BY_HASH_INO:
+            raise InvalidArgument("by-hash is listed per caller: use view_listing")
+        directory = self.tree.dir(ino)
+        if ino == ROOT_INO and after < 1:
+            yield META_NAME, META_DIR_INO, 1
+        yield from directory.entries.items_after(max(after, 1))
+
+    def parent_of(self, ino):
+        """The inode number ".." names in directory ``ino``."""
+        if ino in (META_DIR_INO, BY_HASH_INO):
+            return ROOT_INO if ino == META_DIR_INO else META_DIR_INO
+        return self.tree.dir(ino).parent
+
+    def count_lookup(self, ino):
+        if ino >= FIRST_INO:
+            self.inode(ino).lookups += 1
+
+    def drop_caches(self):
+        self.cache.drop_clean()
+
+    def statistics(self):
+        inodes = self.tree.inodes
+        files = [i for i in inodes.values() if i.is_file]
+        return NamespaceStatistics(len(inodes), len(files), sum(1 for i in inodes.values() if i.is_dir),
+                                   sum(i.data.size for i in files), len(self.handles),
+                                   len(self.tree.orphans), self.tree.next_ino, self.metadata_bytes(),
+                                   self.metadata_capacity())

@@ -1,0 +1,140 @@
+"""Sealing files and driving durability: content records, commits, checkpoints, upkeep.
+
+The namespace drives every commit and checkpoint, under one lock, so a
+checkpoint's snapshot is always taken with no commit in flight. The layers
+below only say when they need one: the block index raises SpaceAwaitsCommit
+when frees waiting for a commit would make room, and the store raises
+JournalFull when the journal must be folded into a checkpoint.
+"""
+import logging
+
+import trio
+
+from .. import schema
+from ..errors import JournalFull, KvfsError, SpaceAwaitsCommit
+
+log = logging.getLogger(__name__)
+
+SPACE_RETRIES = 3            # commits tried to make room for one write (frees are then reusable)
+
+
+class Durability:
+    """Mixed into :class:`~kvfs.namespace.Namespace`, which holds the state (see its __init__)."""
+
+    # -- records ------------------------------------------------------------
+    def _emit(self, record):
+        # Append first: extents freed while applying are then tagged with this
+        # record, so they are not reused before it is durable. Records are
+        # validated before they are built; a failure to apply one is a bug.
+        self.cache.append_record(record)
+        try:
+            self.tree.apply(record)
+        except Exception:
+            log.critical("record %s was journaled but does not apply", type(record).__name__)
+            raise
+
+    async def commit(self):
+        """Make every record so far durable: a journal frame, or a checkpoint when the journal is full."""
+        async with self._durability_lock:
+            try:
+                await self.cache.commit()
+            except JournalFull:
+                await self._checkpoint_locked()
+
+    async def checkpoint(self):
+        """Write the whole state as a checkpoint (which empties the journal)."""
+        async with self._durability_lock:
+            await self._checkpoint_locked()
+
+    async def _checkpoint_locked(self):
+        # Taken synchronously and handed straight down: the state reflects
+        # exactly the records appended so far.
+        await self.cache.checkpoint(self.tree.snapshot())
+
+    async def _with_space(self, operation):
+        """Run ``operation()``; when the space it needs awaits a commit, commit and retry."""
+        for _ in range(SPACE_RETRIES):
+            try:
+                return await operation()
+            except SpaceAwaitsCommit:
+                await self.commit()
+        return await operation()
+
+    # -- sealing ------------------------------------------------------------
+    def _schedule_seal(self, inode):
+        if inode.content_dirty and self._nursery is not None:
+            self._nursery.start_soon(self._seal_quietly, inode)
+
+    async def _seal_quietly(self, inode):
+        if inode.sealing:
+            return
+        inode.sealing = True
+        try:
+            await self.seal(inode)
+        except KvfsError as exc:
+            log.error("inode %d: writing back its content failed: %s", inode.ino, exc)
+        finally:
+            inode.sealing = False
+
+    async def seal(self, inode, force=False):
+        """Flush a file's blocks and record its content (once no writer has it open).
+
+        With ``force`` (fsync, flush) the content is recorded even while writers
+        keep the file open.
+        """
+        while inode.content_dirty and inode.ino in self.tree.inodes:
+            if inode.writers and not force:
+                return
+            await self.cache.flush_file(inode.data)
+            if inode.writers and not force:
+                # Reopened for writing while we flushed: the content now holds
+                # writes that no close or fsync has finished. Its last close seals it.
+                return
+            if inode.data.dirty_count == 0 and inode.ino in self.tree.inodes and inode.content_dirty:
+                self._record_content(inode)
+
+    def _record_content(self, inode):
+        filedata = inode.data
+        keys = filedata.keys()
+        while keys and keys[-1] is None:
+            keys.pop()                     # trailing holes are implied by the size
+        inode.content_dirty = False
+        if filedata.size == inode.size_committed and keys == inode.committed and not inode.provisional:
+            # Rewritten with identical bytes (LMCache after a restart): nothing
+            # changed on the device, so nothing is written, not even a record.
+            return
+        blocks = tuple(None if k is None else schema.BlockRef(k, *self.cache.extent_of(k)) for k in keys)
+        self._emit(schema.Content(inode.ino, filedata.size, inode.mtime, inode.ctime, blocks))
+
+    # -- whole-filesystem operations -----------------------------------------
+    async def flush_all(self):
+        """Make everything durable: blocks, contents (open files too) and the journal."""
+        await self.cache.flush_all()
+        for inode in [i for i in self.tree.inodes.values() if i.is_file and i.content_dirty]:
+            try:
+                await self.seal(inode, force=True)
+            except KvfsError as exc:
+                log.error("inode %d: flush failed: %s", inode.ino, exc)
+        await self.commit()
+
+    async def run(self, commit_interval, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Background upkeep: seal idle files, commit the journal, checkpoint when it fills."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await trio.sleep(commit_interval)
+                for inode in [i for i in self.tree.inodes.values()
+                              if i.is_file and i.content_dirty and not i.writers
+                              and not i.sealing and not i.data.failed]:
+                    self._schedule_seal(inode)
+                try:
+                    await self.commit()
+                    if self.cache.journal_fill > 0.5:
+                        await self.checkpoint()
+                except KvfsError as exc:
+                    # The device refused (EIO, or ENOSPC from the host below a
+                    # sparse store). The records stay queued and the next round
+                    # retries; fsync and flush report the error to their callers.
+                    # The mount stays up, and the durable state is untouched.
+                    log.error("committing metadata failed, will retry: %s", exc)

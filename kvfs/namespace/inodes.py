@@ -1,0 +1,154 @@
+"""Inodes and directory entries: the namespace's data types and reserved numbers."""
+import bisect
+import dataclasses
+import stat
+
+from ..blockcache import FileData
+
+ROOT_INO = 1
+META_DIR_INO = 2          # /.kvfs
+BY_HASH_INO = 3           # /.kvfs/by-hash
+FIRST_INO = 16
+VIEW_BIT = 1 << 62        # inode number of a file seen through /.kvfs/by-hash
+META_NAME = b".kvfs"
+NAME_MAX = 255
+KEY_XATTR = b"user.kvfs.key"
+# Metadata space. Everything durable must fit one checkpoint slot, so every
+# operation that adds metadata is charged against it first and refused with
+# ENOSPC when it would not fit; a checkpoint that does not fit would otherwise
+# leave the journal unable to fold. The costs are upper bounds of each item's
+# msgpack size in the checkpoint (see Tree.snapshot): an inode row without its
+# payload, a directory entry without its name, a key in a file's block list,
+# and a block-index entry together with the free extent it can split off.
+INODE_ROW_COST = 96
+DIR_ENTRY_COST = 16
+FILE_KEY_COST = 18
+INDEX_BLOCK_COST = 57
+CHECKPOINT_MARGIN = 1 / 16       # headroom for the estimate and for writers racing each other
+TYPICAL_NAME = 40                # for statfs's inode count: a LMCache chunk name is ~60 bytes
+# FIFOs, sockets and device nodes are metadata-only inodes, as on any Linux filesystem.
+SUPPORTED_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
+                   stat.S_IFCHR, stat.S_IFBLK)
+
+
+class DirEntries:
+    """Name -> inode, plus readdir cookies that stay valid while entries come and go.
+
+    Cookies grow monotonically; removal leaves a tombstone in the cookie list,
+    and the list is compacted once tombstones outnumber live entries, so a
+    listing resumes by bisection instead of a scan.
+    """
+
+    __slots__ = ("by_name", "_cookies", "_names", "_next", "_dead")
+
+    def __init__(self):
+        self.by_name = {}          # name -> (ino, cookie)
+        self._cookies = []         # sorted cookies (possibly tombstoned)
+        self._names = {}           # cookie -> name (absent: tombstone)
+        self._next = 1
+        self._dead = 0
+
+    def __len__(self):
+        return len(self.by_name)
+
+    def get(self, name):
+        hit = self.by_name.get(name)
+        return None if hit is None else hit[0]
+
+    def add(self, name, ino):
+        self._next += 1
+        self.by_name[name] = (ino, self._next)
+        self._cookies.append(self._next)
+        self._names[self._next] = name
+
+    def remove(self, name):
+        _, cookie = self.by_name.pop(name)
+        del self._names[cookie]
+        self._dead += 1
+        if self._dead > len(self.by_name) + 64:
+            self._cookies = [c for c in self._cookies if c in self._names]
+            self._dead = 0
+
+    def items_after(self, cookie):
+        """Yield (name, ino, cookie) for entries with a cookie greater than ``cookie``."""
+        i = bisect.bisect_right(self._cookies, cookie)
+        while i < len(self._cookies):
+            c = self._cookies[i]
+            name = self._names.get(c)
+            if name is not None:
+                yield name, self.by_name[name][0], c
+            i += 1
+
+
+class Inode:
+    __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
+                 "parent", "entries", "target", "data", "committed", "size_committed",
+                 "content_key", "content_version", "cached_version", "content_dirty",
+                 "lookups", "opens", "writers", "sealing", "provisional")
+
+    def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
+        self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
+        self.nlink = 2 if stat.S_ISDIR(mode) else 1
+        self.atime = self.mtime = self.ctime = now
+        self.parent = None                 # directories only
+        self.entries = DirEntries() if stat.S_ISDIR(mode) else None
+        self.target = None                 # symlinks only
+        self.data = FileData() if stat.S_ISREG(mode) else None
+        self.committed = []                # durable block list: [key | None, ...]
+        self.size_committed = 0
+        self.content_key = None
+        self.content_version = 0           # bumped on every content change
+        self.cached_version = -1           # content version the kernel page cache holds
+        self.content_dirty = False         # live content differs from the durable record
+        self.lookups = self.opens = self.writers = 0
+        self.sealing = False
+        self.provisional = False           # created, no content record yet (see module doc)
+
+    @property
+    def is_dir(self):
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self):
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def size(self):
+        if self.data is not None:
+            return self.data.size
+        if self.target is not None:
+            return len(self.target)
+        return 4096 if self.is_dir else 0
+
+
+class ViewInode(Inode):
+    """A committed content seen through /.kvfs/by-hash; attributes follow its source."""
+
+    __slots__ = ("source", "view_size", "holds")
+
+    def __init__(self, ino, key, source):
+        super().__init__(ino, stat.S_IFREG, source.uid, source.gid)
+        self.data = None                   # an immutable FileData while open
+        self.content_key = key
+        self.source = source.ino
+        self.holds = 0                     # by-hash listings that include this entry
+        self.refresh(source)
+
+    def refresh(self, source):
+        # Only the owner (and root) may use a view entry: read and search bits, nothing else.
+        self.mode = stat.S_IFREG | (source.mode & 0o500)
+        self.uid, self.gid = source.uid, source.gid
+        self.atime, self.mtime, self.ctime = source.atime, source.mtime, source.ctime
+        self.view_size = source.size_committed
+
+    @property
+    def size(self):
+        return self.view_size
+
+
+@dataclasses.dataclass
+class Handle:
+    inode: Inode
+    writable: bool
+    view: bool = False
+    kill_suid: bool = False      # a direct_io writer without CAP_FSETID: its writes drop set-ID bits

@@ -1,0 +1,279 @@
+"""The durable namespace: inodes and entries as the records build them, load and snapshot.
+
+Every change to durable state is a record (``kvfs.schema``). Live operations
+validate their arguments, build a record and hand it to ``Namespace._emit``,
+which journals it and applies it with the very same :meth:`Tree.apply` that
+mount uses to replay the journal, so replay cannot drift from live behaviour.
+
+A file's content record is written only when all its blocks are on the device
+(after close, fsync or ``kvfs-admin flush``), so after a crash a file shows
+either an older complete content or the new complete content, never a mix.
+A regular file is *provisional* from its Make record until its first Content
+record: another file's fsync may make the create durable while this file is
+still being written. Load drops every file still provisional after replay, so
+after a crash such a file is absent, never empty.
+
+Invariants (checked by fsck): every directory entry names an inode in
+``inodes``; every inode but the root is reachable; ``nlink`` equals the number
+of entries naming it (directories: 2 + subdirectories); inode numbers are never
+reused (``next_ino`` only grows).
+
+The tree needs from below only a small set of block services (``BlockRefs``):
+the block cache in a mount, the block index itself in fsck, which loads a
+namespace without a cache.
+"""
+import logging
+import stat
+from typing import Protocol
+
+from .. import schema
+from ..blockcache import FileData
+from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound
+from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
+                     Inode)
+
+log = logging.getLogger(__name__)
+HOLE_KEY = b"\0" * 16
+
+
+class BlockRefs(Protocol):
+    """What the tree asks of the layer below it."""
+
+    def key_of(self, data: bytes) -> bytes: ...
+    def add_ref(self, key: bytes, off: int, length: int) -> None: ...
+    def drop_ref(self, key: bytes) -> None: ...
+    def has_block(self, key: bytes) -> bool: ...
+    def block_count(self) -> int: ...
+    def attach(self, filedata: FileData) -> None: ...
+    def release(self, filedata: FileData) -> None: ...
+
+
+class Tree:
+    def __init__(self, blocks: BlockRefs, now):
+        self.blocks = blocks
+        self.now = now
+        self.inodes = {}           # durable inodes
+        self.orphans = {}          # unlinked but still open or looked up
+        self.by_content = {}       # content key -> set of inode numbers
+        self.next_ino = FIRST_INO
+        self.loading = True        # during replay nothing is held in RAM yet
+        self._meta_bytes = 0       # inode rows, entries, targets, block lists (see INODE_ROW_COST)
+
+    # -- lookups --------------------------------------------------------------
+    def inode(self, ino):
+        inode = self.inodes.get(ino) or self.orphans.get(ino)
+        if inode is None:
+            raise NotFound()
+        return inode
+
+    def dir(self, ino):
+        inode = self.inode(ino)
+        if not inode.is_dir:
+            raise NotADirectory()
+        return inode
+
+    # -- load and snapshot ------------------------------------------------------
+    def load(self, state, records, *, skip_failures=False):
+        """Build the tree from a CheckpointState and the replayed records.
+
+        With ``skip_failures`` (fsck salvaging a damaged store) a record that
+        does not apply is skipped and counted; returns the number skipped.
+        """
+        self.next_ino = state.next_ino
+        for row in state.inodes:
+            self._load_inode(row)
+        for ino in state.provisional:
+            self.inodes[ino].provisional = True
+        if ROOT_INO not in self.inodes:     # a fresh filesystem: mkfs writes an empty state
+            root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now=self.now())
+            root.parent = ROOT_INO
+            self.inodes[ROOT_INO] = root
+        skipped = 0
+        for record in records:
+            if not skip_failures:
+                self.apply(record)
+                continue
+            try:
+                self.apply(record)
+            except Exception:               # noqa: BLE001 - salvage: whatever does not apply is skipped
+                skipped += 1
+        self._drop_provisional()
+        self._meta_bytes = sum(self._inode_cost(i) for i in self.inodes.values())
+        self.loading = False
+        for inode in self.inodes.values():
+            if inode.is_file:
+                present = [k if k is None or self.blocks.has_block(k) else None for k in inode.committed]
+                inode.data = FileData(inode.size_committed, present)
+                if present != inode.committed:
+                    log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
+                    inode.data.failed = CorruptBlock
+                self.blocks.attach(inode.data)
+        return skipped
+
+    def _load_inode(self, row):
+        inode = Inode(row.ino, row.mode, row.uid, row.gid, row.rdev)
+        inode.nlink, inode.atime, inode.mtime, inode.ctime = row.nlink, row.atime, row.mtime, row.ctime
+        if inode.is_dir:
+            inode.parent = row.parent
+            for name, child in row.entries:
+                inode.entries.add(name, child)
+        elif inode.is_file:
+            self._set_committed(inode, row.size, list(row.keys))
+        elif stat.S_ISLNK(row.mode):
+            inode.target = row.payload
+        self.inodes[row.ino] = inode
+
+    def _drop_provisional(self):
+        """Remove files whose content was never recorded: they were in flight at a crash."""
+        doomed = {ino for ino, inode in self.inodes.items() if inode.provisional}
+        if not doomed:
+            return
+        for directory in [i for i in self.inodes.values() if i.is_dir]:
+            for name in [n for n, (child, _) in directory.entries.by_name.items() if child in doomed]:
+                directory.entries.remove(name)
+        for ino in doomed:
+            self._forget_content_key(self.inodes.pop(ino))
+        log.info("dropped %d file(s) created but never closed or fsynced before the crash", len(doomed))
+
+    def snapshot(self):
+        """The namespace's part of a CheckpointState (the block index adds the blocks)."""
+        rows = []
+        for inode in self.inodes.values():
+            if inode.is_dir:
+                payload = [inode.parent, [(n, i) for n, (i, _) in inode.entries.by_name.items()]]
+            elif inode.is_file:
+                payload = [inode.size_committed, inode.committed]
+            else:
+                payload = inode.target
+            rows.append(schema.InodeRow(inode.ino, inode.mode, inode.uid, inode.gid, inode.nlink,
+                                        inode.rdev, inode.atime, inode.mtime, inode.ctime, payload))
+        return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
+                                      provisional=[i.ino for i in self.inodes.values() if i.provisional])
+
+    # -- record application (shared by live operations and replay) ----------
+    def apply(self, rec):
+        if isinstance(rec, schema.Make):
+            inode = Inode(rec.ino, rec.mode, rec.uid, rec.gid, rec.rdev, rec.ns)
+            inode.target = rec.target
+            self.inodes[rec.ino] = inode
+            self._meta_bytes += INODE_ROW_COST + len(rec.target or b"")
+            self.next_ino = max(self.next_ino, rec.ino + 1)
+            self._link(self.inodes[rec.parent], rec.name, inode, rec.ns)
+            if inode.is_file:
+                self._set_committed(inode, 0, [])
+                inode.provisional = True
+        elif isinstance(rec, schema.Link):
+            inode = self.inodes[rec.ino]
+            self._link(self.inodes[rec.parent], rec.name, inode, rec.ns)
+            inode.nlink += 1
+            inode.ctime = rec.ns
+        elif isinstance(rec, schema.Remove):
+            self._unlink(self.inodes[rec.parent], rec.name, rec.ns)
+        elif isinstance(rec, schema.Move):
+            src_dir, dst_dir = self.inodes[rec.old_parent], self.inodes[rec.new_parent]
+            inode = self.inodes[src_dir.entries.get(rec.old_name)]
+            if dst_dir.entries.get(rec.new_name) is not None:
+                self._unlink(dst_dir, rec.new_name, rec.ns)
+            self._unlink(src_dir, rec.old_name, rec.ns, keep=True)
+            self._link(dst_dir, rec.new_name, inode, rec.ns)
+            inode.ctime = rec.ns
+        elif isinstance(rec, schema.Attrs):
+            inode = self.inodes[rec.ino]
+            inode.mode, inode.uid, inode.gid = rec.mode, rec.uid, rec.gid
+            inode.atime, inode.mtime, inode.ctime = rec.atime, rec.mtime, rec.ctime
+        elif isinstance(rec, schema.Content):
+            inode = self.inodes[rec.ino]
+            for block in rec.blocks:
+                if block is not None:
+                    self.blocks.add_ref(block.key, block.off, block.length)
+            for key in inode.committed:
+                if key is not None:
+                    self.blocks.drop_ref(key)
+            self._set_committed(inode, rec.size, [None if b is None else b.key for b in rec.blocks])
+            inode.mtime, inode.ctime = rec.mtime, rec.ctime
+            inode.provisional = False
+        else:
+            raise FormatError(f"unknown journal record {rec!r:.60}")
+
+    def _link(self, directory, name, inode, ns):
+        directory.entries.add(name, inode.ino)
+        self._meta_bytes += DIR_ENTRY_COST + len(name)
+        directory.mtime = directory.ctime = ns
+        if inode.is_dir:
+            inode.parent = directory.ino
+            directory.nlink += 1
+
+    def _unlink(self, directory, name, ns, keep=False):
+        inode = self.inodes[directory.entries.get(name)]
+        directory.entries.remove(name)
+        self._meta_bytes -= DIR_ENTRY_COST + len(name)
+        directory.mtime = directory.ctime = ns
+        inode.ctime = ns
+        if inode.is_dir:
+            directory.nlink -= 1
+            if not keep:
+                inode.nlink = 0
+        elif not keep:
+            inode.nlink -= 1
+        if inode.nlink == 0:
+            self._drop_inode(inode)
+
+    def _drop_inode(self, inode):
+        """The inode left the durable namespace; free it now or when the kernel lets go."""
+        del self.inodes[inode.ino]
+        self._meta_bytes -= INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
+        if inode.is_file:
+            for key in inode.committed:
+                if key is not None:
+                    self.blocks.drop_ref(key)
+            self._forget_content_key(inode)
+            inode.committed = []
+        if inode.lookups or inode.opens:
+            self.orphans[inode.ino] = inode
+        else:
+            self.destroy(inode)
+
+    def destroy(self, inode):
+        """Nothing refers to the inode any more: let go of its live content."""
+        self.orphans.pop(inode.ino, None)
+        if inode.data is not None and not self.loading:
+            self.blocks.release(inode.data)
+
+    def maybe_destroy(self, inode):
+        if inode.ino in self.orphans and not inode.lookups and not inode.opens:
+            self.destroy(inode)
+
+    def _set_committed(self, inode, size, keys):
+        self._forget_content_key(inode)
+        self._meta_bytes += FILE_KEY_COST * (len(keys) - len(inode.committed))
+        inode.committed = keys
+        inode.size_committed = size
+        inode.content_key = self.content_key_of(size, keys)
+        self.by_content.setdefault(inode.content_key, set()).add(inode.ino)
+
+    def _forget_content_key(self, inode):
+        owners = self.by_content.get(inode.content_key)
+        if owners is not None:
+            owners.discard(inode.ino)
+            if not owners:
+                del self.by_content[inode.content_key]
+
+    def content_key_of(self, size, keys):
+        """The key of a whole content: what ``user.kvfs.key`` shows and by-hash names."""
+        return self.blocks.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
+
+    # -- metadata space ---------------------------------------------------------
+    @staticmethod
+    def _inode_cost(inode):
+        cost = INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
+        if inode.is_dir:
+            cost += sum(DIR_ENTRY_COST + len(name) for name in inode.entries.by_name)
+        return cost
+
+    def recount_metadata(self):
+        """The running count recomputed from scratch (tests compare the two)."""
+        return sum(self._inode_cost(i) for i in self.inodes.values())
+
+    def metadata_bytes(self):
+        """Estimated (upper bound) checkpoint size of the durable state."""
+        return self._meta_bytes + INDEX_BLOCK_COST * self.blocks.block_count() + 4096

@@ -1,0 +1,59 @@
+"""The kvfs on-disk format, defined in code; docs/format.md explains it (a test keeps them in step).
+
+``layout``  the device layout: superblock, checkpoint header, journal frame header
+            (``struct`` layouts with size asserts and a comment on every field)
+``records`` the journal records and the checkpoint state as named types, with
+            their msgpack encoding; nothing else knows a field's position
+
+``FORMAT_VERSION`` is in the superblock; a reader refuses any other version, so a
+format change is a deliberate, versioned step (tests/images holds a store of
+today's format that every version must keep reading).
+"""
+from .layout import (CHECKPOINT_HEADER, DEFAULT_BLOCK_SIZE, FOREIGN_SIGNATURES, FORMAT_VERSION,
+                     JOURNAL_FRAME, MAGIC_CHECKPOINT, MAGIC_JOURNAL, MAGIC_SUPERBLOCK, MAX_BLOCK_SIZE,
+                     MIN_BLOCK_SIZE, MIN_DEVICE_SIZE, SUPERBLOCK, SUPERBLOCK_CHECKED, Superblock,
+                     check_block_size, check_device_size, decode_checkpoint_header, decode_journal_header,
+                     encode_checkpoint_header, encode_journal_frame, frame_size, identify_existing_data)
+from .records import (RECORD_TYPES, Attrs, BlockRef, BlockRow, CheckpointState, Content,
+                      InodeRow, Link, Make, Move, Remove, decode_record)
+from ..aligned import SECTOR, align_down, align_up
+
+__all__ = [
+    "CHECKPOINT_HEADER",
+    "DEFAULT_BLOCK_SIZE",
+    "FOREIGN_SIGNATURES",
+    "FORMAT_VERSION",
+    "JOURNAL_FRAME",
+    "MAGIC_CHECKPOINT",
+    "MAGIC_JOURNAL",
+    "MAGIC_SUPERBLOCK",
+    "MAX_BLOCK_SIZE",
+    "MIN_BLOCK_SIZE",
+    "MIN_DEVICE_SIZE",
+    "SUPERBLOCK",
+    "SUPERBLOCK_CHECKED",
+    "Superblock",
+    "check_block_size",
+    "check_device_size",
+    "decode_checkpoint_header",
+    "decode_journal_header",
+    "encode_checkpoint_header",
+    "encode_journal_frame",
+    "frame_size",
+    "identify_existing_data",
+    "RECORD_TYPES",
+    "Attrs",
+    "BlockRef",
+    "BlockRow",
+    "CheckpointState",
+    "Content",
+    "InodeRow",
+    "Link",
+    "Make",
+    "Move",
+    "Remove",
+    "decode_record",
+    "SECTOR",
+    "align_down",
+    "align_up",
+]

@@ -1,0 +1,168 @@
+"""Build the layer stack in one place: device -> extent store -> block index -> block cache -> namespace.
+
+The daemon, fsck and the tests all assemble kvfs here. Each layer is handed
+only the layer below it. fsck loads the durable namespace without a block
+cache (:func:`load_tree`): the tree then takes its block services from the
+block index directly.
+"""
+import os
+import time
+
+from .blockcache import BlockCache
+from .blockindex import BlockIndex
+from .device import Device
+from .errors import FormatError, KvfsError
+from .namespace import Namespace, Tree
+from .store import ExtentStore
+
+
+def open_device(path, *, readonly=False, write_delay=0.0):
+    return Device.open(path, readonly=readonly, write_delay=write_delay)
+
+
+def _replay(store, index, load):
+    """Enter the checkpoint's blocks, apply the journal, and let the store reuse frees again."""
+    loaded = store.loaded
+    index.load(loaded.state.blocks)
+    try:
+        result = load(loaded.state, loaded.records)
+    except KvfsError:
+        raise
+    except Exception as exc:
+        raise FormatError(f"the journal does not replay cleanly ({exc!r}): run fsck.kvfs") from None
+    store.finish_replay()
+    return result
+
+
+class IndexRefs:
+    """The block services a Tree needs, straight from the block index (fsck: no cache)."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def key_of(self, data):
+        return self.index.key_of(data)
+
+    def add_ref(self, key, off, length):
+        self.index.add_ref(key, off, length)
+
+    def drop_ref(self, key):
+        self.index.drop_ref(key)
+
+    def has_block(self, key):
+        return key in self.index.entries
+
+    def block_count(self):
+        return self.index.block_count()
+
+    def attach(self, filedata):
+        pass                        # nothing runs: no live users to pin for
+
+    def release(self, filedata):
+        pass
+
+
+def load_tree(device, *, salvage=False, now=time.time_ns):
+    """(store, index, tree, what loading found, records skipped) of the store on ``device``, for fsck."""
+    store = ExtentStore.open(device, salvage=salvage)
+    loaded = store.loaded
+    index = BlockIndex(store)
+    tree = Tree(IndexRefs(index), now)
+    skipped = _replay(store, index, lambda state, records: tree.load(state, records, skip_failures=salvage))
+    return store, index, tree, loaded, skipped
+
+
+class Filesystem:
+    """The layer stack over one open device."""
+
+    def __init__(self, device, store, index, cache, namespace, replayed):
+        self.device, self.store, self.index, self.cache, self.ns = device, store, index, cache, namespace
+        self.replayed = replayed          # what the journal replay did (frames, records, where it stopped)
+        self.mounted_at = time.time()
+        self.mountpoint = None
+
+    @classmethod
+    def open(cls, path, options, *, readonly=False, now=time.time_ns):
+        """Open ``path`` and stack the layers on it; the journal is replayed.
+
+        ``options`` needs the cache settings of MountOptions (cache_size,
+        dirty_limit, read_depth, flush_workers; write_delay for tests). ``now``
+        is the clock of every timestamp the namespace writes (tests pass a
+        deterministic one).
+        """
+        device = open_device(path, readonly=readonly, write_delay=getattr(options, "write_delay", 0.0))
+        try:
+            store = ExtentStore.open(device)
+            if not readonly:
+                store.reserve_metadata_space()
+            index = BlockIndex(store)
+            cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
+                               read_depth=options.read_depth, flush_workers=options.flush_workers)
+            namespace = Namespace(cache, now=now)
+            replayed = store.loaded.replay_report
+            _replay(store, index, namespace.load)
+            return cls(device, store, index, cache, namespace, replayed)
+        except BaseException:
+            device.close()
+            raise
+
+    def close(self):
+        self.device.close()
+
+    def stats(self):
+        """Every component's statistics, flattened into one dict for kvfs-admin."""
+        dev = self.device.statistics()
+        store = self.store.statistics()
+        idx = self.index.statistics()
+        cache = self.cache.statistics()
+        ns = self.ns.statistics()
+        elapsed = max(time.time() - self.mounted_at, 1e-9)
+        data_used = idx.used_bytes
+        return {
+            "pid": os.getpid(),
+            "mountpoint": self.mountpoint,
+            "device": dev.path,
+            "direct_io": dev.direct_io,
+            "block_size": self.index.block_size,
+            "capacity_bytes": store.capacity_bytes,
+            "free_bytes": max(0, self.index.available_bytes()),
+            "used_bytes": data_used,
+            "logical_bytes": ns.logical_bytes,
+            "unique_blocks": idx.unique_blocks,
+            "dedup_ratio": round(ns.logical_bytes / data_used, 4) if data_used else 1.0,
+            "files": ns.files,
+            "metadata_bytes": ns.metadata_bytes,
+            "metadata_capacity": ns.metadata_capacity,
+            "directories": ns.directories,
+            "dirty_bytes": cache.dirty_bytes,
+            "dirty_limit": cache.dirty_limit,
+            "dirty_bytes_max": cache.dirty_bytes_max,
+            "flush_backlog_bytes": cache.flush_backlog_bytes,
+            "cache_size": cache.cache_size,
+            "cache_bytes": cache.cache_bytes,
+            "cache_hits": cache.cache_hits,
+            "cache_misses": cache.cache_misses,
+            "prefetch_inflight_max": cache.prefetch_inflight_max,
+            "device_reads_inflight_max": dev.reads_in_flight_max,
+            "device_bytes_written": dev.bytes_written,
+            "device_bytes_read": dev.bytes_read,
+            "data_bytes_written": idx.data_bytes_written,
+            "blocks_written": idx.blocks_written,
+            "dedup_hits": idx.dedup_hits,
+            "zero_blocks": cache.zero_blocks,
+            "writers_throttled": cache.writers_throttled,
+            "corrupt_reads": idx.corrupt_reads,
+            "read_bytes_per_s": round(cache.bytes_read / elapsed),
+            "write_bytes_per_s": round(cache.bytes_written / elapsed),
+            "bytes_read": cache.bytes_read,
+            "bytes_written": cache.bytes_written,
+            "read_requests": cache.read_requests,
+            "write_requests": cache.write_requests,
+            "journal_bytes": store.journal_bytes,
+            "journal_capacity": store.journal_capacity,
+            "generation": store.generation,
+            "commits": store.commits,
+            "checkpoints": store.checkpoints,
+            "open_handles": ns.open_handles,
+            "uptime_s": round(elapsed, 3),
+        }

@@ -1,0 +1,280 @@
+"""The extent store: free-space map, journal and checkpoints on the device.
+
+The store knows nothing about files or blocks. It hands out extents (runs of
+4 KiB sectors in the data region), moves block bytes to and from them, and
+makes *records* (``kvfs.schema`` records) durable: upper layers append one
+record per state change, and :meth:`ExtentStore.commit` writes the pending ones
+as one journal frame. When the journal has no room, ``commit`` raises
+:class:`~kvfs.errors.JournalFull`; the namespace, which drives durability, then
+hands down the whole state for :meth:`ExtentStore.checkpoint`, which empties the
+journal. Nothing here calls back up.
+
+Freed extents are not reused until the record that freed them is durable:
+otherwise a crash could leave a durable record pointing at an extent that
+already holds someone else's data.
+"""
+import dataclasses
+import logging
+
+import msgpack
+import trio
+
+from .. import schema
+from ..errors import InternalError, JournalFull, KvfsError, NoSpace
+from .allocator import Allocator
+from .loader import load, read_superblock
+from .mkfs import reserve_metadata_space
+
+__all__ = ["Allocator", "ExtentStore", "StoreStatistics", "read_superblock"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStatistics:
+    generation: int
+    journal_bytes: int
+    journal_capacity: int
+    journal_frames: int
+    commits: int
+    checkpoints: int
+    records_pending: int
+    capacity_bytes: int
+    free_bytes: int
+    pending_free_bytes: int
+
+
+class ExtentStore:
+    """Allocator + journal + checkpoints over one open :class:`~kvfs.device.Device`."""
+
+    def __init__(self, device, loaded):
+        self.device = device
+        self.sb = loaded.sb
+        state = loaded.state
+        self.allocator = Allocator(self.sb.data_off, self.sb.data_len, state.free, slot=self.sb.block_size)
+        self.generation = loaded.generation
+        self._active_slot = loaded.active_slot    # slot index holding the newest checkpoint
+        self._journal_cursor = loaded.journal_cursor   # bytes of journal used in this generation
+        self._frame_seq = loaded.frame_seq
+        self._pending = []              # records appended, not yet durable (the newest last)
+        self._appended = 0              # records appended since mount (monotonic)
+        self._durable = 0               # of those, how many are durable
+        self._pending_frees = []        # (appended-count, off, nbytes) awaiting durability
+        self.replaying = True           # frees take effect at once during replay
+        self._commit_lock = trio.Lock()
+        self._commits = self._checkpoints = 0
+        self.loaded = loaded            # what mount replays; dropped by finish_replay
+
+    @classmethod
+    def open(cls, device, *, salvage=False):
+        """Load the store on ``device`` (synchronously); see :func:`kvfs.store.loader.load`."""
+        return cls(device, load(device, salvage=salvage))
+
+    def finish_replay(self):
+        """Called once upper layers have applied the replayed records."""
+        self.replaying = False
+        self.loaded = None
+
+    # -- space --------------------------------------------------------------
+    @property
+    def block_size(self):
+        return self.sb.block_size
+
+    @property
+    def hash_seed(self):
+        return self.sb.hash_seed
+
+    @property
+    def capacity_bytes(self):
+        return self.sb.data_len
+
+    def free_extents(self):
+        return self.allocator.extents()
+
+    def free_slots(self):
+        """Whole block-sized pieces of free space (see Allocator.slots)."""
+        return self.allocator.slots
+
+    def allocate(self, nbytes):
+        return self.allocator.allocate(nbytes)
+
+    def allocate_at(self, off, nbytes):
+        self.allocator.allocate_at(off, nbytes)
+
+    def release_unused(self, off, nbytes):
+        """Give back an extent that no record ever named (a failed block write)."""
+        self.allocator.free(off, nbytes)
+
+    def free(self, off, nbytes):
+        """Free an extent; live frees wait until the freeing record is durable."""
+        if self.replaying:
+            self.allocator.free(off, nbytes)
+        else:
+            self._pending_frees.append((self._appended, off, schema.align_up(nbytes)))
+
+    @property
+    def pending_free_bytes(self):
+        return sum(n for _, _, n in self._pending_frees)
+
+    # -- block bytes --------------------------------------------------------
+    async def write_extent(self, off, data, source=None):
+        """Write block bytes into an allocated extent (``source``: see Device.pwrite_sync)."""
+        await self.device.pwrite(off, data, source)
+
+    def read_extent_sync(self, off, length, buf=None):
+        """Read an extent's bytes; call it in a worker thread (see :meth:`run`)."""
+        return self.device.read_block_sync(off, length, buf)
+
+    async def run(self, fn, *args):
+        """Run blocking work (a read and its verification) in a device worker thread."""
+        return await self.device.run(fn, *args)
+
+    # -- journal ------------------------------------------------------------
+    def append(self, record):
+        """Queue a record; it is durable once a later :meth:`commit` returns."""
+        self._pending.append(record)
+        self._appended += 1
+
+    def reserve_metadata_space(self):
+        """Best effort at mount, for stores made before mkfs did this itself."""
+        try:
+            reserve_metadata_space(self.device, self.sb)
+        except KvfsError as exc:
+            log.warning("%s; a full host filesystem may then stall metadata commits", exc)
+
+    def checkpoint_capacity(self):
+        """Bytes of state one checkpoint slot holds."""
+        return self.sb.checkpoint_len - schema.SECTOR
+
+    @property
+    def journal_fill(self):
+        return self._journal_cursor / self.sb.journal_len
+
+    async def commit(self):
+        """Make every record appended so far durable (group commit).
+
+        Raises JournalFull when the frame does not fit in the rest of the
+        journal: the caller must write a checkpoint instead.
+        """
+        target = self._appended
+        async with self._commit_lock:
+            if self._durable >= target:
+                await self._made_durable(self._durable)     # frees that need no further record
+                return
+            records, upto = self._pending, self._appended
+            payload = msgpack.packb([r.to_wire() for r in records])
+            if self._journal_cursor + schema.frame_size(len(payload)) > self.sb.journal_len:
+                raise JournalFull(f"the journal has no room for {len(records)} records")
+            self._pending = []
+            frame = schema.encode_journal_frame(self.generation, self._frame_seq, payload, self.sb.hash_seed)
+            try:
+                await self.device.sync()             # block data before the records naming it
+                await self.device.pwrite(self.sb.journal_off + self._journal_cursor, frame)
+                await self.device.sync()
+            except BaseException:
+                self._pending = records + self._pending
+                raise
+            self._journal_cursor += len(frame)
+            self._frame_seq += 1
+            self._commits += 1
+            await self._made_durable(upto)
+
+    async def checkpoint(self, state, transient=()):
+        """Write ``state`` to the inactive slot and start a new journal generation.
+
+        ``state`` (a CheckpointState without ``free``) must reflect exactly the
+        records appended before this call: take it and call this without an
+        await in between. ``transient`` lists extents only RAM knows about
+        (pinned or in-flight blocks): free as far as the checkpoint is concerned.
+        The free map is computed here, synchronously, for the same moment.
+        """
+        upto = self._appended
+        free = Allocator(self.sb.data_off, self.sb.data_len, self.allocator.extents())
+        for off, n in [*transient, *((off, n) for _, off, n in self._pending_frees)]:
+            free.free(off, n)
+        state = dataclasses.replace(state, free=free.extents())
+        payload = msgpack.packb(state.to_wire())
+        if schema.SECTOR + len(payload) > self.sb.checkpoint_len:
+            raise NoSpace(f"metadata ({len(payload)} bytes) exceeds the checkpoint slot "
+                          f"({self.sb.checkpoint_len} bytes)")
+        async with self._commit_lock:
+            if self._durable > upto:
+                raise InternalError("a commit overtook a checkpoint snapshot")
+            # Records in the snapshot leave the queue only once the checkpoint is
+            # durable; if the write fails they still go to the current journal.
+            covered = len(self._pending) - (self._appended - upto)
+            slot = 1 - self._active_slot
+            off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
+            generation = self.generation + 1
+            await self.device.sync()
+            await self._write_slot(off, generation, payload)
+            self._pending = self._pending[covered:]
+            self.generation, self._active_slot = generation, slot
+            self._journal_cursor = self._frame_seq = 0
+            self._checkpoints += 1
+            await self._made_durable(upto)
+
+    async def write_repaired(self, state, free, min_generation):
+        """fsck: write ``state`` with exactly the free map ``free``, at a generation above
+        ``min_generation`` (so no leftover frame of a newer generation can replay on it).
+        Returns the generation written."""
+        self.allocator = Allocator(self.sb.data_off, self.sb.data_len, free, slot=self.sb.block_size)
+        self._pending_frees = []
+        self.generation = max(self.generation, min_generation)
+        await self.checkpoint(state)
+        return self.generation
+
+    async def _write_slot(self, off, generation, payload):
+        """Write a checkpoint into the slot at ``off``: the payload, and only once it is durable, the header.
+
+        A crash during the payload write leaves the slot's old header (an older
+        generation) over a half-written payload; a crash during the one-sector
+        header write leaves no valid header. Either way the slot does not claim
+        the new generation, so a valid header over a bad payload always means
+        damage after the fact, which the loader may treat as proof that this
+        generation existed.
+        """
+        await self.device.pwrite(off + schema.SECTOR, payload)
+        await self.device.sync()
+        await self.device.pwrite(off, schema.encode_checkpoint_header(generation, payload, self.sb.hash_seed))
+        await self.device.sync()
+
+    async def _made_durable(self, upto):
+        """Records up to ``upto`` are durable: discard and then reuse what they freed.
+
+        The discard (TRIM / hole punch) must finish before the extent returns to
+        the allocator, or it could punch a hole into the next block written there.
+        """
+        self._durable = max(self._durable, upto)
+        ready = [(off, n) for at, off, n in self._pending_frees if at <= upto]
+        if not ready:
+            return
+        self._pending_frees = [f for f in self._pending_frees if f[0] > upto]
+        try:
+            await self.device.run(self._discard_all, ready)
+        finally:
+            for off, nbytes in ready:
+                self.allocator.free(off, nbytes)
+
+    def _discard_all(self, extents):
+        for off, nbytes in _coalesce(extents):
+            try:
+                self.device.discard_sync(off, nbytes)
+            except KvfsError as exc:
+                log.warning("discard failed: %s", exc)
+
+    def statistics(self):
+        return StoreStatistics(self.generation, self._journal_cursor, self.sb.journal_len,
+                               self._frame_seq, self._commits, self._checkpoints,
+                               len(self._pending), self.sb.data_len, self.allocator.free_bytes,
+                               self.pending_free_bytes)
+
+
+def _coalesce(extents):
+    merged = []
+    for off, n in sorted(extents):
+        if merged and merged[-1][0] + merged[-1][1] == off:
+            merged[-1][1] += n
+        else:
+            merged.append([off, n])
+    return merged

@@ -1,0 +1,108 @@
+"""The free-space map of the data region."""
+import bisect
+
+from .. import schema
+from ..errors import FormatError, NoSpace
+
+
+class Allocator:
+    """Free extents of the data region as a sorted list of starts plus a length map.
+
+    Offsets and lengths are bytes, always multiples of SECTOR. Allocation is
+    next-fit from a rotating cursor, which keeps equal-sized KV blocks packed in
+    write order and makes the common case O(log n).
+
+    A block must lie in one contiguous extent, so free bytes alone do not say
+    whether a block fits: a region fragmented into 512 KiB holes has space but
+    no room for a 1 MiB block. ``slots`` counts the whole ``slot``-sized pieces
+    the free extents hold (sum of ``len // slot``). Invariant, relied on by the
+    block index's reservations: an allocation of at most ``slot`` bytes lowers
+    ``slots`` by at most one, so ``k <= slots`` reserved blocks can always be
+    allocated. Allocations smaller than a slot are placed, where possible, in
+    the spare tail of an extent, so they cost no slot.
+    """
+
+    SMALL_FIT_SCAN = 64          # extents examined for a slot-free home of a small allocation
+
+    def __init__(self, start, length, free_extents=None, *, slot=schema.SECTOR):
+        self.start = start
+        self.end = start + length
+        self.slot = slot
+        self._starts = []
+        self._len = {}
+        self._cursor = start
+        self.free_bytes = 0
+        self.slots = 0
+        for off, n in (free_extents if free_extents is not None else [(start, length)]):
+            self.free(off, n)
+
+    def extents(self):
+        return [(s, self._len[s]) for s in self._starts]
+
+    def allocate(self, nbytes):
+        nbytes = schema.align_up(nbytes)
+        count = len(self._starts)
+        first = bisect.bisect_left(self._starts, self._cursor)
+        if nbytes < self.slot:
+            for i in range(min(count, self.SMALL_FIT_SCAN)):
+                start = self._starts[(first + i) % count]
+                if self._len[start] % self.slot >= nbytes:
+                    # From the extent's end: its whole slots stay whole.
+                    off = start + self._len[start] - nbytes
+                    self._take(start, off, nbytes)
+                    return off
+        for i in range(count):
+            start = self._starts[(first + i) % count]
+            if self._len[start] >= nbytes:
+                self._take(start, start, nbytes)
+                self._cursor = start + nbytes
+                return start
+        raise NoSpace(f"no free extent of {nbytes} bytes ({self.free_bytes} bytes free in total)")
+
+    def allocate_at(self, off, nbytes):
+        """Mark [off, off+nbytes) allocated; it must be free (used by replay)."""
+        nbytes = schema.align_up(nbytes)
+        i = bisect.bisect_right(self._starts, off) - 1
+        if i < 0 or self._starts[i] + self._len[self._starts[i]] < off + nbytes:
+            raise FormatError(f"extent [{off}, +{nbytes}) is referenced twice or lies outside free space")
+        self._take(self._starts[i], off, nbytes)
+
+    def _take(self, ext_start, off, nbytes):
+        ext_len = self._remove(ext_start)
+        head = off - ext_start
+        tail = ext_start + ext_len - (off + nbytes)
+        if head:
+            self._insert(ext_start, head)
+        if tail:
+            self._insert(off + nbytes, tail)
+        self.free_bytes -= nbytes
+
+    def _insert(self, off, nbytes):
+        bisect.insort(self._starts, off)
+        self._len[off] = nbytes
+        self.slots += nbytes // self.slot
+
+    def _remove(self, off):
+        """Take the free extent starting at ``off`` out of the map; return its length."""
+        nbytes = self._len.pop(off)
+        del self._starts[bisect.bisect_left(self._starts, off)]
+        self.slots -= nbytes // self.slot
+        return nbytes
+
+    def free(self, off, nbytes):
+        nbytes = schema.align_up(nbytes)
+        if off < self.start or off + nbytes > self.end or off % schema.SECTOR:
+            raise FormatError(f"freeing extent [{off}, +{nbytes}) outside the data region")
+        i = bisect.bisect_left(self._starts, off)
+        if i < len(self._starts) and self._starts[i] < off + nbytes:
+            raise FormatError(f"double free of extent [{off}, +{nbytes})")
+        if i > 0 and self._starts[i - 1] + self._len[self._starts[i - 1]] > off:
+            raise FormatError(f"double free of extent [{off}, +{nbytes})")
+        self.free_bytes += nbytes
+        # Coalesce with the following and the preceding free extent.
+        if i < len(self._starts) and self._starts[i] == off + nbytes:
+            nbytes += self._remove(self._starts[i])
+        if i > 0 and self._starts[i - 1] + self._len[self._starts[i - 1]] == off:
+            prev = self._starts[i - 1]
+            off, nbytes = prev, self._remove(prev) + nbytes
+        self._insert(off, nbytes)

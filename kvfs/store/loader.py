@@ -1,0 +1,264 @@
+"""Loading a store: superblock, newest checkpoint, committed journal prefix (synchronous).
+
+Durable state can prove that a newer generation than the loaded one existed (a
+newer checkpoint whose payload is corrupt, journal frames of a newer
+generation) or that a committed frame was lost (a corrupt frame followed by its
+successor). Loading would then silently roll back committed changes, so
+:func:`load` raises FormatError. With ``salvage`` (fsck) it loads what it can
+instead: ``damage`` lists the proofs, ``records`` holds every record that may
+still apply, and ``highest_generation`` is the newest generation seen
+anywhere, which a repair checkpoint must exceed.
+"""
+import logging
+
+import msgpack
+import xxhash
+
+from .. import schema
+from ..errors import FormatError
+
+log = logging.getLogger(__name__)
+
+JOURNAL_READ_WINDOW = 4 << 20
+FIRST_INO = 16                  # schema: 0..15 are reserved
+
+
+def load(device, *, salvage=False):
+    """A :class:`Loaded` store; FormatError with the reason if it must not be mounted."""
+    loaded = Loaded(device, read_superblock(device), salvage)
+    loaded._load_checkpoint()
+    loaded._load_journal()
+    if salvage:
+        loaded._scan_journal_generations()
+    if loaded.damage and not salvage:
+        raise FormatError(f"{device.path}: {loaded.damage[0]}; mounting would silently lose "
+                          f"committed changes: run fsck.kvfs --repair to recover what can be "
+                          f"recovered")
+    return loaded
+
+
+class Loaded:
+    """What loading found: the checkpoint state, the records to replay, and where the journal ends."""
+
+    def __init__(self, device, sb, salvage):
+        self.device = device
+        self.sb = sb
+        self.salvage = salvage
+        self.generation = 0
+        self._active_slot = 0
+        self.state = None                # schema.CheckpointState
+        self.records = []                # schema records of the committed journal prefix
+        self.replay_report = {}
+        self.damage = []                 # proofs that loading lost committed changes
+        self.highest_generation = 0      # newest generation seen in any slot header or frame
+        self.skipped_records = 0         # salvage: records that do not decode
+        self._journal_cursor = self._frame_seq = 0
+        self._newer_frames_reported = False
+
+    @property
+    def active_slot(self):
+        return self._active_slot
+
+    @property
+    def journal_cursor(self):
+        return self._journal_cursor
+
+    @property
+    def frame_seq(self):
+        return self._frame_seq
+
+    def _decode_records(self, wires, generation, seq):
+        out = []
+        for wire in wires:
+            try:
+                out.append(schema.decode_record(wire))
+            except FormatError as exc:
+                if not self.salvage:
+                    raise FormatError(f"journal frame {seq} of generation {generation}: {exc}: "
+                                      f"run fsck.kvfs --repair") from None
+                self.skipped_records += 1
+        return out
+
+    def _read_slot(self, slot):
+        """(generation, payload) of a slot; payload None if its header is valid but the payload is not.
+
+        None when the slot holds no valid header at all (zeroed, or a torn header write).
+        """
+        off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
+        header = schema.decode_checkpoint_header(self.device.pread_sync(off, schema.SECTOR), self.sb.checkpoint_len,
+                                               self.sb.hash_seed)
+        if header is None:
+            return None
+        generation, length, digest = header
+        payload = self.device.pread_sync(off + schema.SECTOR, length)
+        if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
+            return generation, None
+        return generation, payload
+
+    def _load_checkpoint(self):
+        found = {slot: self._read_slot(slot) for slot in (0, 1)}
+        valid = [(got[0], slot, got[1]) for slot, got in found.items() if got and got[1] is not None]
+        if not valid:
+            raise FormatError("no valid checkpoint in either slot: the metadata is corrupt "
+                              "(fsck.kvfs cannot rebuild it; the data blocks are unreadable without it)")
+        self.generation, self._active_slot, payload = max(valid)
+        self.highest_generation = max(got[0] for got in found.values() if got)
+        for slot, got in found.items():
+            if got and got[1] is None:
+                # The header is written only after the payload is durable, so a
+                # valid header over a bad payload is damage, not a torn write.
+                if got[0] > self.generation:
+                    self.damage.append(f"checkpoint slot {'AB'[slot]} holds generation {got[0]}, newer than "
+                                       f"generation {self.generation} in slot {'AB'[self._active_slot]}, "
+                                       f"but its payload fails its checksum")
+                else:
+                    log.warning("checkpoint slot %s (generation %s, older than the one in use) is damaged; "
+                                "the next checkpoint overwrites it", "AB"[slot], got[0])
+        try:
+            wire = msgpack.unpackb(payload, strict_map_key=False)
+        except Exception as exc:
+            raise FormatError(f"checkpoint payload does not decode: {exc}") from None
+        self.state = schema.CheckpointState.from_wire(wire, FIRST_INO)
+
+    def _journal_reader(self):
+        """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""
+        base, limit = self.sb.journal_off, self.sb.journal_len
+        window = [0, b""]
+
+        def read(cursor, size):
+            size = min(size, limit - cursor)
+            if not (window[0] <= cursor and cursor + size <= window[0] + len(window[1])):
+                window[0] = cursor
+                window[1] = self.device.pread_sync(base + cursor, min(max(JOURNAL_READ_WINDOW, size),
+                                                                      limit - cursor))
+            return window[1][cursor - window[0]:cursor - window[0] + size]
+        return read
+
+    def _frame_at(self, read, cursor):
+        """(header, payload-if-its-hash-matches) of the frame at ``cursor``; header None if there is none."""
+        limit = self.sb.journal_len
+        if cursor + schema.SECTOR > limit:
+            return None, None
+        header = schema.decode_journal_header(read(cursor, schema.SECTOR), self.sb.hash_seed)
+        if header is None:
+            return None, None
+        generation, frame_seq, length, digest = header
+        size = schema.frame_size(length)
+        if cursor + size > limit:
+            return header, None
+        payload = read(cursor + schema.JOURNAL_FRAME.size, length)
+        if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
+            return header, None
+        return header, payload
+
+    def _load_journal(self):
+        """Collect records of the committed journal prefix; stop at the first bad frame.
+
+        A bad frame is the uncommitted tail only if nothing committed follows it:
+        a corrupt frame followed by a valid frame of the same generation with the
+        next sequence number was itself committed (frames are written one at a
+        time, each after the previous one is durable), so it is damage. Frames of
+        a generation newer than the checkpoint's prove a newer checkpoint existed.
+        In salvage mode replay goes on after a corrupt committed frame, and a
+        journal of a newer generation is replayed on top of the older checkpoint.
+        """
+        read = self._journal_reader()
+        generation = self.generation
+        cursor, seq, records, stop = 0, 0, [], "end of journal region"
+        lost_frames = 0
+        while True:
+            header, payload = self._frame_at(read, cursor)
+            if header is None:
+                stop = "no further frame" if cursor + schema.SECTOR <= self.sb.journal_len else stop
+                break
+            frame_generation, frame_seq, length, _ = header
+            if frame_generation > self.generation and cursor == 0 and seq == 0:
+                self._newer_frames_reported = True
+                self.damage.append(f"the journal holds frames of generation {frame_generation}, newer than "
+                                   f"the checkpoint in use (generation {self.generation})")
+                self.highest_generation = max(self.highest_generation, frame_generation)
+                if not self.salvage:
+                    stop = "frame of a newer generation"
+                    break
+                generation = frame_generation
+            if frame_generation != generation or frame_seq != seq:
+                if frame_generation > self.generation:
+                    self._newer_frames_reported = True
+                    self.damage.append(f"journal frame at offset {cursor} belongs to generation "
+                                       f"{frame_generation}, newer than the checkpoint in use "
+                                       f"(generation {self.generation})")
+                    self.highest_generation = max(self.highest_generation, frame_generation)
+                stop = "frame of another generation"
+                break
+            size = schema.frame_size(length)
+            decoded = None
+            if payload is not None:
+                try:
+                    decoded = msgpack.unpackb(payload, strict_map_key=False)
+                except Exception:
+                    decoded = None
+            if decoded is None:
+                follower, follower_payload = self._frame_at(read, cursor + size)
+                if follower is None or follower[:2] != (generation, seq + 1) or follower_payload is None:
+                    stop = ("torn frame (payload checksum mismatch): uncommitted tail dropped" if payload is None
+                            else "frame payload does not decode: uncommitted tail dropped")
+                    if cursor + size > self.sb.journal_len:
+                        stop = "frame overruns the journal region (torn)"
+                    break
+                self.damage.append(f"journal frame {seq} of generation {generation} is corrupt, but the "
+                                   f"frame after it was committed")
+                if not self.salvage:
+                    stop = "corrupt committed frame"
+                    break
+                lost_frames += 1
+            else:
+                records.extend(self._decode_records(decoded, generation, seq))
+            cursor += size
+            seq += 1
+        self._journal_cursor, self._frame_seq = cursor, seq
+        self.records = records
+        self.replay_report = {"frames": seq, "records": len(records), "bytes": cursor, "stopped": stop}
+        if lost_frames:
+            self.replay_report["lost_frames"] = lost_frames
+
+    def _scan_journal_generations(self):
+        """Salvage only: find frames of newer generations anywhere in the journal region.
+
+        Every sector that starts a valid frame header is looked at (skipping the
+        body of each frame found), so stale frames beyond the replayed prefix
+        count too. Costs one read of the journal region.
+        """
+        read = self._journal_reader()
+        cursor, newer = 0, []
+        while cursor + schema.SECTOR <= self.sb.journal_len:
+            header = schema.decode_journal_header(read(cursor, schema.SECTOR), self.sb.hash_seed)
+            if header is None:
+                cursor += schema.SECTOR
+                continue
+            self.highest_generation = max(self.highest_generation, header[0])
+            if header[0] > self.generation:
+                newer.append(header[0])
+            cursor += schema.frame_size(header[2])
+        if newer and not self._newer_frames_reported:
+            self.damage.append(f"the journal holds {len(newer)} frame(s) of generation {max(newer)}, "
+                               f"newer than the checkpoint in use (generation {self.generation})")
+
+
+def read_superblock(device):
+    """Decode the primary superblock, naming the backup if only that one is good."""
+    if device.size < schema.MIN_DEVICE_SIZE:
+        raise FormatError(f"{device.path}: {device.size} bytes is too small to hold kvfs")
+    head = device.pread_sync(0, 2 * schema.SECTOR)
+    try:
+        sb = schema.Superblock.decode(head[:schema.SECTOR])
+    except FormatError as primary_error:
+        try:
+            schema.Superblock.decode(head[schema.SECTOR:])
+        except FormatError:
+            raise primary_error from None
+        raise FormatError(f"{primary_error}; the backup superblock is intact: "
+                          f"run fsck.kvfs --repair to restore it") from None
+    if device.size < sb.device_size:
+        raise FormatError(f"{device.path} is {device.size} bytes but the filesystem was made for "
+                          f"{sb.device_size}: the device is truncated")
+    return sb
