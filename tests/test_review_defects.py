@@ -316,6 +316,7 @@ def test_symlink_flood_by_a_user_gets_enospc_and_the_store_stays_mountable(share
 def test_store_whose_state_already_exceeds_its_checkpoint_slot_mounts(kvfs_factory):
     """A store left by the old code: journal + checkpoint hold more than one slot."""
     import trio
+    from kvfs import schema
     from unit.helpers import open_fs, running
 
     fs = kvfs_factory(size="64M")
@@ -327,15 +328,15 @@ def test_store_whose_state_already_exceeds_its_checkpoint_slot_mounts(kvfs_facto
         async with running(store, persist=False):
             i = 0
             while ns.metadata_bytes() < 0.9 * ns.metadata_capacity():
-                ns._emit(["mk", 1, f"l{i:06d}".encode(), ns.next_ino, stat.S_IFLNK | 0o777, 0, 0, 0,
-                          ns.now(), b"t" * 4000])          # straight to the journal: no charge
+                ns._emit(schema.Make(1, f"l{i:06d}".encode(), ns.tree.next_ino, stat.S_IFLNK | 0o777, 0, 0,
+                                     0, ns.now(), b"t" * 4000))   # straight to the journal: no charge
                 i += 1
-            await store.store.checkpoint()
+            await ns.checkpoint()
             while ns.metadata_bytes() < 1.1 * store.store.checkpoint_capacity():
-                ns._emit(["mk", 1, f"l{i:06d}".encode(), ns.next_ino, stat.S_IFLNK | 0o777, 0, 0, 0,
-                          ns.now(), b"t" * 4000])
+                ns._emit(schema.Make(1, f"l{i:06d}".encode(), ns.tree.next_ino, stat.S_IFLNK | 0o777, 0, 0,
+                                     0, ns.now(), b"t" * 4000))
                 i += 1
-            await store.store.commit()
+            await ns.commit()
         store.close()
         return i
 

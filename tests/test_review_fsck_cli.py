@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import format as fmt
+from kvfs import schema as fmt
 from kvfsmount import run_tool
 
 MiB = 1 << 20
