@@ -134,7 +134,7 @@ class Device:
             done = 0
             with memoryview(buf) as view:
                 while done < span:
-                    n = os.preadv(self.fd, [view[done:span]], start + done)
+                    n = self._sys_preadv(view[done:span], start + done)
                     if n == 0:
                         break
                     done += n
@@ -191,7 +191,7 @@ class Device:
             done = 0
             while done < span:
                 with memoryview(buf) as view:
-                    n = os.pwrite(self.fd, view[done:span], off + done)
+                    n = self._sys_pwrite(view[done:span], off + done)
                 if n == 0:
                     raise DeviceError(f"device write at {off} made no progress", errno.EIO)
                 done += n
@@ -203,7 +203,7 @@ class Device:
 
     def sync_sync(self):
         try:
-            os.fdatasync(self.fd)
+            self._sys_fdatasync()
         except OSError as exc:
             raise DeviceError(f"device flush failed: {exc.strerror}", exc.errno) from None
         with self._lock:
@@ -230,10 +230,7 @@ class Device:
         if not self.discard_supported or length <= 0:
             return
         try:
-            if self.is_block:
-                fcntl.ioctl(self.fd, BLKDISCARD, off.to_bytes(8, "little") + length.to_bytes(8, "little"))
-            elif _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length):
-                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            self._sys_discard(off, length)
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
                 self.discard_supported = False
@@ -241,6 +238,24 @@ class Device:
             raise DeviceError(f"discard at {off} failed: {exc.strerror}", exc.errno) from None
         with self._lock:
             self._discards += 1
+
+    # -- the system calls: every transfer above goes through exactly these ----
+    # One call each, no checks: the callers handle short transfers and errors.
+    # kvfs.faults interposes here to inject device faults under the real code.
+    def _sys_preadv(self, view, off):
+        return os.preadv(self.fd, [view], off)
+
+    def _sys_pwrite(self, view, off):
+        return os.pwrite(self.fd, view, off)
+
+    def _sys_fdatasync(self):
+        os.fdatasync(self.fd)
+
+    def _sys_discard(self, off, length):
+        if self.is_block:
+            fcntl.ioctl(self.fd, BLKDISCARD, off.to_bytes(8, "little") + length.to_bytes(8, "little"))
+        elif _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length):
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
     # -- async wrappers: never block the trio loop --------------------------
     async def run(self, fn, *args):
