@@ -17,6 +17,7 @@ import time
 import pyfuse3
 import trio
 
+from . import faults
 from .blockcache import BlockCache
 from .blockindex import BlockIndex
 from .device import Device
@@ -76,6 +77,7 @@ class Filesystem:
     def open(cls, path, options, *, readonly=False):
         device = Device.open(path, readonly=readonly, write_delay=options.write_delay)
         try:
+            device = faults.from_environment(device)     # test hook: $KVFS_TEST_FAULTS (kvfs/faults.py)
             store = ExtentStore.open(device)
             if not readonly:
                 store.reserve_metadata_space()
