@@ -114,6 +114,7 @@ class Filesystem:
         ns = self.ns.statistics()
         elapsed = max(time.time() - self.mounted_at, 1e-9)
         data_used = idx.used_bytes
+        injected = {"faults_injected": self.device.injected()} if hasattr(self.device, "injected") else {}
         return {
             "pid": os.getpid(),
             "mountpoint": self.mountpoint,
@@ -161,6 +162,7 @@ class Filesystem:
             "checkpoints": store.checkpoints,
             "open_handles": ns.open_handles,
             "uptime_s": round(elapsed, 3),
+            **injected,                 # only under a test fault plan: faults injected, by effect
         }
 
 
