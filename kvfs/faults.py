@@ -7,9 +7,8 @@ code: alignment, the retry loop, the short-transfer checks, the DeviceError
 wrapping and the statistics all run unchanged over the injected faults. Every
 other attribute and method (``pread_sync``, ``run``, ``statistics``, ``path``,
 ``limiter`` ...) is the wrapped device's own, so the wrapper goes wherever a
-Device goes. Delays run in the thread that makes the call, and the stack makes
-its device calls in worker threads (``Device.run``), so the trio loop never
-sleeps.
+Device goes. Delays run in the calling thread; the stack calls the device from
+worker threads (``Device.run``), so the trio loop never sleeps.
 
 A plan is a list of rules, or ``{"seed": N, "rules": [...]}``. The seed (0 by
 default) seeds the random draws, so a single-threaded test sees the same faults
@@ -50,6 +49,9 @@ daemon by renaming a new plan file over it (tests/kvfsmount.py
 ``KvfsMount.set_faults``). A reload restarts the plan: its stall windows are
 measured from the reload, and its counts and random draws start afresh. This
 is not a mount option and not part of the user documentation.
+
+What the old mount option ``write_delay_ms=N`` did is the plan
+``[{"op": "write", "effect": "delay", "seconds": N / 1000}]``.
 """
 import dataclasses
 import errno
@@ -70,7 +72,6 @@ RELOAD_INTERVAL = 0.1
 OPS = ("read", "write", "sync", "discard", "any")
 EFFECTS = ("delay", "eio", "short", "stall", "flip")
 _EFFECT_OPS = {"short": ("read", "write", "any"), "flip": ("read", "any")}
-_SYSCALLS = ("_sys_preadv", "_sys_pwrite", "_sys_fdatasync", "_sys_discard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +159,6 @@ def _signature(path):
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
-def _short(length):
-    """What a short transfer moves: half, in whole sectors; nothing below two sectors."""
-    return length // 2 // SECTOR * SECTOR
-
-
 class FaultyDevice:
     """A Device whose system calls fail, stall or lie according to a plan."""
 
@@ -174,9 +170,13 @@ class FaultyDevice:
         self._next_check = 0.0
         self._injected = dict.fromkeys(EFFECTS, 0)
         self._arm(parse_plan(plan))
-        self._real = {name: getattr(device, name) for name in _SYSCALLS}
-        for name, fake in zip(_SYSCALLS, (self._preadv, self._pwrite, self._fdatasync, self._discard)):
-            setattr(device, name, fake)
+        preadv, pwrite, fdatasync, discard = (device._sys_preadv, device._sys_pwrite,
+                                              device._sys_fdatasync, device._sys_discard)
+        # Instance attributes shadow Device's methods: the real code now calls these.
+        device._sys_preadv = lambda view, off: self._transfer("read", preadv, view, off)
+        device._sys_pwrite = lambda view, off: self._transfer("write", pwrite, view, off)
+        device._sys_fdatasync = lambda: self._plain("sync", None, 0, fdatasync)
+        device._sys_discard = lambda off, n: self._plain("discard", off, n, discard, off, n)
 
     @classmethod
     def from_file(cls, device: Device, path: str) -> "FaultyDevice":
@@ -277,28 +277,20 @@ class FaultyDevice:
             self._injected["flip"] += 1
         view[pos] ^= 1 << bit
 
-    # -- the interposed system calls ------------------------------------
-    def _preadv(self, view, off):
-        fired = self._inject("read", off, len(view))
-        want = _short(len(view)) if any(r.effect == "short" for r in fired) else len(view)
-        n = self._real["_sys_preadv"](view[:want], off) if want else 0
+    def _transfer(self, op, call, view, off):
+        """One preadv or pwrite under the plan; "short" moves half, in whole sectors."""
+        fired = self._inject(op, off, len(view))
+        want = len(view) // 2 // SECTOR * SECTOR if any(r.effect == "short" for r in fired) else len(view)
+        n = call(view[:want], off) if want else 0
         for rule in fired:
             if rule.effect == "flip":
                 self._flip(view, off, n, rule)
         return n
 
-    def _pwrite(self, view, off):
-        fired = self._inject("write", off, len(view))
-        want = _short(len(view)) if any(r.effect == "short" for r in fired) else len(view)
-        return self._real["_sys_pwrite"](view[:want], off) if want else 0
-
-    def _fdatasync(self):
-        self._inject("sync", None, 0)
-        self._real["_sys_fdatasync"]()
-
-    def _discard(self, off, length):
-        self._inject("discard", off, length)
-        self._real["_sys_discard"](off, length)
+    def _plain(self, op, off, length, call, *args):
+        """A sync or discard under the plan: delays, stalls and EIO apply to it."""
+        self._inject(op, off, length)
+        return call(*args)
 
 
 def from_environment(device: Device, environ=os.environ):
