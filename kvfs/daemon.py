@@ -33,7 +33,6 @@ class MountOptions:
     commit_interval: float = 5.0
     max_tasks: int = 64
     allow_other: bool = False
-    write_delay: float = 0.0          # test hook: a deliberately slow device
     read_ahead_kb: int = 32768
     by_hash: str = "root"             # who may use /.kvfs/by-hash: "root" or "owner" (fuseops)
 

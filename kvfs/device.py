@@ -17,7 +17,6 @@ import mmap
 import os
 import stat
 import threading
-import time
 
 import trio
 
@@ -50,15 +49,13 @@ class DeviceStatistics:
 class Device:
     """An open kvfs device. Use :meth:`open`; close with :meth:`close`."""
 
-    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64, write_delay=0.0):
+    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64):
         self.path = str(path)
         self.fd = fd
         self.size = size
         self.direct_io = direct_io
         self.is_block = is_block
         self.limiter = trio.CapacityLimiter(io_threads)
-        # Test hook: a deliberately slow device (seconds added to every data write).
-        self.write_delay = write_delay
         self._lock = threading.Lock()
         self._local = threading.local()
         self._bytes_read = self._bytes_written = 0
@@ -129,7 +126,7 @@ class Device:
             done = 0
             with memoryview(buf) as view:
                 while done < span:
-                    n = os.preadv(self.fd, [view[done:span]], start + done)
+                    n = self._sys_preadv(view[done:span], start + done)
                     if n == 0:
                         break
                     done += n
@@ -162,7 +159,7 @@ class Device:
         self._read_span(buf, off, span, need=length)
         return memoryview(buf).toreadonly()[:length]
 
-    def pwrite_sync(self, off, data, source=None, *, delay=True):
+    def pwrite_sync(self, off, data, source=None):
         """Write ``data`` at a sector-aligned ``off``, zero-padded to whole sectors.
 
         ``source``: an optional page-aligned buffer holding ``data`` at its start
@@ -174,8 +171,6 @@ class Device:
         if off < 0 or off + span > self.size:
             # The allocator never hands out such an extent: this is a bug, not a full disk.
             raise InternalError(f"write [{off}, +{span}) is outside the device ({self.size} bytes)")
-        if delay and self.write_delay:
-            time.sleep(self.write_delay)
         if source is not None and len(source) >= span:
             buf = source
         else:
@@ -186,7 +181,7 @@ class Device:
             done = 0
             while done < span:
                 with memoryview(buf) as view:
-                    n = os.pwrite(self.fd, view[done:span], off + done)
+                    n = self._sys_pwrite(view[done:span], off + done)
                 if n == 0:
                     raise DeviceError(f"device write at {off} made no progress")
                 done += n
@@ -198,7 +193,7 @@ class Device:
 
     def sync_sync(self):
         try:
-            os.fdatasync(self.fd)
+            self._sys_fdatasync()
         except OSError as exc:
             raise device_error(exc, f"device flush failed: {exc.strerror}") from None
         with self._lock:
@@ -224,10 +219,7 @@ class Device:
         if not self.discard_supported or length <= 0:
             return
         try:
-            if self.is_block:
-                fcntl.ioctl(self.fd, BLKDISCARD, off.to_bytes(8, "little") + length.to_bytes(8, "little"))
-            elif _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length):
-                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            self._sys_discard(off, length)
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
                 self.discard_supported = False
@@ -235,6 +227,24 @@ class Device:
             raise device_error(exc, f"discard at {off} failed: {exc.strerror}") from None
         with self._lock:
             self._discards += 1
+
+    # -- the system calls: every transfer above goes through exactly these ----
+    # One call each, no checks: the callers handle short transfers and errors.
+    # kvfs.faults interposes here to inject device faults under the real code.
+    def _sys_preadv(self, view, off):
+        return os.preadv(self.fd, [view], off)
+
+    def _sys_pwrite(self, view, off):
+        return os.pwrite(self.fd, view, off)
+
+    def _sys_fdatasync(self):
+        os.fdatasync(self.fd)
+
+    def _sys_discard(self, off, length):
+        if self.is_block:
+            fcntl.ioctl(self.fd, BLKDISCARD, off.to_bytes(8, "little") + length.to_bytes(8, "little"))
+        elif _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length):
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
     # -- async wrappers: never block the trio loop --------------------------
     async def run(self, fn, *args):

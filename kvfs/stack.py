@@ -8,6 +8,7 @@ block index directly.
 import os
 import time
 
+from . import faults
 from .blockcache import BlockCache
 from .blockindex import BlockIndex
 from .device import Device
@@ -16,8 +17,14 @@ from .namespace import Namespace, Tree
 from .store import ExtentStore
 
 
-def open_device(path, *, readonly=False, write_delay=0.0):
-    return Device.open(path, readonly=readonly, write_delay=write_delay)
+def open_device(path, *, readonly=False):
+    """The device at ``path``; under a test fault plan ($KVFS_TEST_FAULTS, kvfs/faults.py) wrapped in it."""
+    device = Device.open(path, readonly=readonly)
+    try:
+        return faults.from_environment(device)
+    except BaseException:
+        device.close()
+        raise
 
 
 def _replay(store, index, load):
@@ -86,11 +93,11 @@ class Filesystem:
         """Open ``path`` and stack the layers on it; the journal is replayed.
 
         ``options`` needs the cache settings of MountOptions (cache_size,
-        dirty_limit, read_depth, flush_workers; write_delay for tests). ``now``
+        dirty_limit, read_depth, flush_workers). ``now``
         is the clock of every timestamp the namespace writes (tests pass a
         deterministic one).
         """
-        device = open_device(path, readonly=readonly, write_delay=getattr(options, "write_delay", 0.0))
+        device = open_device(path, readonly=readonly)
         try:
             store = ExtentStore.open(device)
             if not readonly:
@@ -118,6 +125,7 @@ class Filesystem:
         ns = self.ns.statistics()
         elapsed = max(time.time() - self.mounted_at, 1e-9)
         data_used = idx.used_bytes
+        injected = {"faults_injected": self.device.injected()} if hasattr(self.device, "injected") else {}
         return {
             "pid": os.getpid(),
             "mountpoint": self.mountpoint,
@@ -165,4 +173,5 @@ class Filesystem:
             "checkpoints": store.checkpoints,
             "open_handles": ns.open_handles,
             "uptime_s": round(elapsed, 3),
+            **injected,                 # only under a test fault plan: faults injected, by effect
         }

@@ -8,15 +8,24 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from kvfs import faults
 
 from kvfs.cli.admin import wait_exited
 
 
-def run_tool(module, *args, check=True, timeout=300, input=None):
-    """Run one of kvfs's command-line tools (``kvfs.cli.<module>``)."""
+def slow_writes(seconds):
+    """A fault plan for a slow device: every device write takes ``seconds`` longer."""
+    return [{"op": "write", "effect": "delay", "seconds": seconds}]
+
+
+def run_tool(module, *args, check=True, timeout=300, input=None, env=None):
+    """Run one of kvfs's command-line tools (``kvfs.cli.<module>``); ``env`` adds variables."""
     cmd = [sys.executable, "-m", f"kvfs.cli.{module}", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input,
+                          env=None if env is None else {**os.environ, **env})
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
                              f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
@@ -24,9 +33,15 @@ def run_tool(module, *args, check=True, timeout=300, input=None):
 
 
 class KvfsMount:
-    """One kvfs filesystem: a store file plus a mountpoint."""
+    """One kvfs filesystem: a store file plus a mountpoint.
 
-    def __init__(self, root: Path, size="4G", block_size=None, mount_options=()):
+    ``faults``: a fault plan (see kvfs/faults.py) for the daemon's device. It is
+    written to ``root/faults.json`` and handed to every mount as
+    ``KVFS_TEST_FAULTS=@root/faults.json``; :meth:`set_faults` replaces it, and
+    a running daemon picks the new plan up on its next device call.
+    """
+
+    def __init__(self, root: Path, size="4G", block_size=None, mount_options=(), faults=None):
         self.root = Path(root)
         self.device = self.root / "store.kvfs"
         self.mnt = self.root / "mnt"
@@ -35,6 +50,10 @@ class KvfsMount:
         self.block_size = block_size
         self.mount_options = list(mount_options)
         self.pid = None
+        self.faults_file = None
+        if faults is not None:
+            self.faults_file = self.root / "faults.json"
+            self.set_faults(faults)
 
     # -- lifecycle -------------------------------------------------------
     def mkfs(self, *extra):
@@ -48,9 +67,20 @@ class KvfsMount:
         args = [self.device, self.mnt]
         if opts:
             args += ["-o", ",".join(opts)]
-        run_tool("mount", *args, timeout=120)
+        env = None if self.faults_file is None else {faults.ENV: f"@{self.faults_file}"}
+        run_tool("mount", *args, timeout=120, env=env)
         self.pid = self.stats()["pid"]
         return self
+
+    def set_faults(self, plan):
+        """Replace the fault plan (atomically) and wait until a running daemon would see it."""
+        if self.faults_file is None:
+            raise AssertionError("this KvfsMount was made without faults=: its daemon reads no plan")
+        tmp = self.faults_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(plan))
+        os.replace(tmp, self.faults_file)
+        if self.mounted:
+            time.sleep(faults.RELOAD_INTERVAL * 1.5)
 
     @property
     def mounted(self):

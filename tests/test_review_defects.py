@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvfsmount import KvfsMount
+from kvfsmount import KvfsMount, slow_writes
 from test_core_acceptance import pattern, write_file
 
 MiB = 1 << 20
@@ -32,7 +32,7 @@ def test_rewrite_in_flight_at_a_crash_is_never_recorded(kvfs_factory, earlier):
     file shows a content that a close or fsync produced (x, or the earlier
     fsynced one), or it is absent if it had none durable yet.
     """
-    fs = kvfs_factory(mount_options=["write_delay_ms=400", "commit_interval=0.5"])
+    fs = kvfs_factory(faults=slow_writes(0.4), mount_options=["commit_interval=0.5"])
     fs.mkfs()
     fs.mount()
     path = fs.mnt / "chunk"
@@ -57,7 +57,7 @@ def test_rewrite_in_flight_at_a_crash_is_never_recorded(kvfs_factory, earlier):
 
 def test_files_in_flight_at_a_crash_are_whole_or_absent(kvfs_factory):
     """Three writers: create, write, fsync, close. Others' fsyncs commit our create records."""
-    fs = kvfs_factory(mount_options=["write_delay_ms=100", "commit_interval=0.3"])
+    fs = kvfs_factory(faults=slow_writes(0.1), mount_options=["commit_interval=0.3"])
     fs.mkfs()
     fs.mount()
     fsynced, stop, errors = set(), threading.Event(), []
@@ -102,7 +102,7 @@ def test_files_in_flight_at_a_crash_are_whole_or_absent(kvfs_factory):
 # -- item 10: mmap ------------------------------------------------------------------------
 
 def test_shared_mmap_of_a_file_with_dirty_blocks(kvfs_factory):
-    fs = kvfs_factory(mount_options=["write_delay_ms=2000"])
+    fs = kvfs_factory(faults=slow_writes(2))
     fs.mkfs()
     fs.mount()
     data = pattern(1, 3 * MiB + 5)

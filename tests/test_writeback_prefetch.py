@@ -1,7 +1,7 @@
 """Issue 3, functional: write-back cache, back-pressure, prefetch, page-cache reads.
 
 Nothing here is timed: the statistics show what happened. A deliberately slow
-device (mount option write_delay_ms) makes the write-back visible.
+device (a fault plan that delays every device write) makes the write-back visible.
 """
 import hashlib
 import os
@@ -26,7 +26,7 @@ def drop_kernel_cache():
 
 
 def test_close_returns_while_dirty_and_dirty_reads_are_right(kvfs_factory):
-    fs = kvfs_factory(mount_options=["write_delay_ms=300"])
+    fs = kvfs_factory(faults=slow_writes(0.3))
     fs.mkfs()
     fs.mount()
     data = os.urandom(8 * MiB + 123)
@@ -44,7 +44,7 @@ def test_close_returns_while_dirty_and_dirty_reads_are_right(kvfs_factory):
 
 
 def test_fsync_then_kill9_keeps_data(kvfs_factory):
-    fs = kvfs_factory(mount_options=["write_delay_ms=50", "commit_interval=3600"])
+    fs = kvfs_factory(faults=slow_writes(0.05), mount_options=["commit_interval=3600"])
     fs.mkfs()
     fs.mount()
     data = os.urandom(5 * MiB + 7)
@@ -62,7 +62,7 @@ def test_fsync_then_kill9_keeps_data(kvfs_factory):
 
 
 def test_back_pressure_bounds_dirty_bytes(kvfs_factory):
-    fs = kvfs_factory(mount_options=["write_delay_ms=20", "dirty_limit=8M", "cache_size=16M",
+    fs = kvfs_factory(faults=slow_writes(0.02), mount_options=["dirty_limit=8M", "cache_size=16M",
                                      "flush_workers=2"])
     fs.mkfs()
     fs.mount()
@@ -156,7 +156,7 @@ def test_hot_reads_skip_the_daemon_and_drop_caches_empties(kvfs):
 
 
 def test_sigterm_flushes_before_exit(kvfs_factory):
-    fs = kvfs_factory(mount_options=["write_delay_ms=100", "commit_interval=3600"])
+    fs = kvfs_factory(faults=slow_writes(0.1), mount_options=["commit_interval=3600"])
     fs.mkfs()
     fs.mount()
     data = os.urandom(6 * MiB)

@@ -28,7 +28,6 @@ FLAG_OPTIONS = {"allow_other"}
 # loop at 89% CPU) and group commit stops grouping anything.
 MIN_COMMIT_INTERVAL = 0.05
 MAX_COMMIT_INTERVAL = 24 * 3600.0
-MAX_WRITE_DELAY_MS = 60_000
 
 
 def _number(kind, value):
@@ -52,13 +51,6 @@ def _seconds(value):
     return number
 
 
-def _delay_ms(value):
-    number = _number(float, value)
-    if not (math.isfinite(number) and 0 <= number <= MAX_WRITE_DELAY_MS):
-        raise ValueError(f"must be from 0 to {MAX_WRITE_DELAY_MS} milliseconds")
-    return number / 1000
-
-
 def parse_options(text):
     """Turn '-o a,b=c' into MountOptions plus the log path.
 
@@ -79,7 +71,7 @@ def parse_options(text):
                 raise InvalidArgument(f"mount option {name!r} takes no value")
             setattr(opts, name, True)
             continue
-        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "write_delay_ms", "log", "by_hash"}
+        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -95,8 +87,6 @@ def parse_options(text):
                 if value not in ("root", "owner"):
                     raise ValueError("(use root or owner)")
                 opts.by_hash = value
-            elif name == "write_delay_ms":
-                opts.write_delay = _delay_ms(value)
             else:
                 log_path = os.path.abspath(value)
         except argparse.ArgumentTypeError as exc:          # parse_size names the value itself

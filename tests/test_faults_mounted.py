@@ -1,0 +1,133 @@
+"""Injected device faults through a real mount (kvfs/faults.py, issues 8 and 12).
+
+The daemon gets its plan from KvfsMount(faults=...) and picks up every
+KvfsMount.set_faults while it runs. What must hold: a slow device does not slow
+close() while there is room for dirty data; a reader gets the right bytes or
+EIO, never wrong bytes; a stall window holds reads and then completes them;
+the daemon keeps serving; fsck is clean at the end (the fixture checks).
+"""
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+MiB = 1 << 20
+
+
+def write(path, data):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        assert os.write(fd, data) == len(data)
+    finally:
+        os.close(fd)
+
+
+def data_region(fs):
+    """Where the data region starts: it runs to the end of the store file."""
+    off = os.path.getsize(fs.device) - fs.stats()["capacity_bytes"]
+    assert off > 0 and off % MiB == 0, off
+    return off
+
+
+def two_files(fs):
+    """Write "victim", then "other"; on a fresh store the victim's blocks come first.
+
+    Returns both contents and the device range of the victim's blocks.
+    """
+    start = data_region(fs)
+    victim, other = os.urandom(3 * MiB), os.urandom(3 * MiB)
+    write(fs.mnt / "victim", victim)
+    fs.flush()                                   # allocated from the start of the data region
+    write(fs.mnt / "other", other)
+    fs.flush()
+    return victim, other, [start, start + len(victim)]
+
+
+def test_slow_device_keeps_close_at_memory_speed(kvfs_factory):
+    fs = kvfs_factory(faults=[{"op": "write", "effect": "delay", "seconds": 1.5}])
+    fs.mkfs()
+    fs.mount()
+    data = os.urandom(8 * MiB + 123)
+    t0 = time.monotonic()
+    write(fs.mnt / "chunk", data)                # 9 blocks, each 1.5 s to the device
+    elapsed = time.monotonic() - t0
+    stats = fs.stats()
+    assert elapsed < 1.5, f"close waited for the device: {elapsed:.2f} s"
+    assert stats["dirty_bytes"] > 0 and stats["flush_backlog_bytes"] > 0, stats
+    assert (fs.mnt / "chunk").read_bytes() == data
+    fs.flush()
+    stats = fs.stats()
+    assert stats["dirty_bytes"] == 0 and stats["data_bytes_written"] >= len(data)
+    assert stats["faults_injected"]["delay"] >= 9, stats["faults_injected"]
+    fs.remount()
+    assert (fs.mnt / "chunk").read_bytes() == data
+
+
+@pytest.mark.parametrize("effect", ["eio", "flip"])
+def test_bad_reads_give_eio_never_wrong_bytes(kvfs_factory, effect):
+    fs = kvfs_factory(faults=[])
+    fs.mkfs()
+    fs.mount()
+    victim, other, victim_range = two_files(fs)
+    fs.umount()                                  # cold caches: the next reads go to the device
+    fs.set_faults([{"op": "read", "range": victim_range, "effect": effect}])
+    fs.mount()
+    fd = os.open(fs.mnt / "victim", os.O_RDONLY)
+    try:
+        for off in range(0, len(victim), MiB):
+            with pytest.raises(OSError) as info:
+                got = os.pread(fd, MiB, off)
+                assert got == victim[off:off + MiB], "wrong bytes"   # only if the read succeeded
+            assert info.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    assert (fs.mnt / "other").read_bytes() == other            # the daemon serves the rest
+    write(fs.mnt / "new", b"still writable")
+    assert (fs.mnt / "new").read_bytes() == b"still writable"
+    stats = fs.stats()
+    assert stats["faults_injected"][effect] >= 3, stats["faults_injected"]
+    if effect == "flip":
+        assert stats["corrupt_reads"] >= 3, stats                 # the checksum caught each one
+    fs.set_faults([])                                           # the device heals: nothing stuck
+    assert (fs.mnt / "victim").read_bytes() == victim
+
+
+def test_stall_window_delays_reads_then_completes_them(kvfs_factory):
+    fs = kvfs_factory(faults=[])
+    fs.mkfs()
+    fs.mount()
+    victim, _, _ = two_files(fs)
+    fs.umount()
+    fs.mount()
+    stall = 2.0
+    fs.set_faults([{"op": "read", "range": [data_region(fs), os.path.getsize(fs.device)],
+                    "effect": "stall", "seconds": stall}])
+    result = {}
+
+    def reader():
+        try:
+            t0 = time.monotonic()
+            result["data"] = (fs.mnt / "victim").read_bytes()
+            result["elapsed"] = time.monotonic() - t0
+        except BaseException as exc:   # noqa: BLE001 - handed to the test below
+            result["error"] = exc
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert "victim" in os.listdir(fs.mnt)        # metadata is served during the stall
+    assert (fs.mnt / "victim").stat().st_size == len(victim)
+    assert time.monotonic() - t0 < 1.0
+    assert thread.is_alive(), "the read did not wait for the stall window"
+    thread.join(60)
+    assert not thread.is_alive(), "the read never completed after the stall window"
+    if "error" in result:
+        raise result["error"]
+    assert result["data"] == victim
+    # The window opened when the daemon noticed the plan, at most about
+    # 2 * RELOAD_INTERVAL before the read began.
+    assert result["elapsed"] >= stall - 0.4, result["elapsed"]
+    assert fs.stats()["faults_injected"]["stall"] >= 1
