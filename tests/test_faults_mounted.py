@@ -101,7 +101,7 @@ def test_stall_window_delays_reads_then_completes_them(kvfs_factory):
     victim, _, _ = two_files(fs)
     fs.umount()
     fs.mount()
-    stall = 2.0
+    stall = 6.0
     fs.set_faults([{"op": "read", "range": [data_region(fs), os.path.getsize(fs.device)],
                     "effect": "stall", "seconds": stall}])
     result = {}
@@ -120,7 +120,7 @@ def test_stall_window_delays_reads_then_completes_them(kvfs_factory):
     t0 = time.monotonic()
     assert "victim" in os.listdir(fs.mnt)        # metadata is served during the stall
     assert (fs.mnt / "victim").stat().st_size == len(victim)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < stall / 2       # not held by the stall (generous: CI is shared)
     assert thread.is_alive(), "the read did not wait for the stall window"
     thread.join(60)
     assert not thread.is_alive(), "the read never completed after the stall window"
