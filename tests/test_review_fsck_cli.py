@@ -299,6 +299,44 @@ def test_commit_interval_at_the_minimum_mounts(kvfs_factory):
 
 # -- item 13 ------------------------------------------------------------------
 
+def test_failure_inside_the_daemon_is_one_line_not_an_exception_group(kvfs_factory):
+    """The final checkpoint at unmount fails inside trio's nursery (injected EIO on the
+    checkpoint slots): the foreground mount.kvfs ends with one 'prog: message' line."""
+    import json
+    import time
+    from kvfs import faults
+    fs = kvfs_factory(size="64M", faults=[])
+    fs.mkfs()
+    sb = superblock(fs.device)
+    env = {**os.environ, faults.ENV: f"@{fs.faults_file}"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvfs.cli.mount", "-f", str(fs.device), str(fs.mnt)],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(fs.mnt):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        put(fs.mnt / "f", pattern(3, 1 << 20))
+        fs.set_faults([{"op": "write", "range": [sb.checkpoint_a_off, sb.journal_off], "effect": "eio"}])
+        pid = json.loads(run_tool("admin", "stats", "--json", fs.mnt).stdout)["pid"]
+        assert pid == proc.pid
+        subprocess.run(["umount", str(fs.mnt)], check=True)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "Traceback" not in stderr and "ExceptionGroup" not in stderr and "Exceptions from Trio" not in stderr
+    lines = [line for line in stderr.splitlines() if not line[:4].isdigit()]    # log lines have a date
+    assert lines and all(line.startswith("mount.kvfs: ") for line in lines), stderr
+    assert any("final checkpoint failed" in line for line in lines), stderr
+    fs.set_faults([])
+    fs.assert_fsck_clean()                  # the journal still holds everything committed
+    fs.mount()
+    assert (fs.mnt / "f").read_bytes() == pattern(3, 1 << 20)
+
+
 def test_relative_device_path_becomes_absolute_in_fsname_and_stats(kvfs_factory):
     fs = kvfs_factory(size="64M")
     fs.mkfs()

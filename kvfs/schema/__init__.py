@@ -9,7 +9,7 @@
 format change is a deliberate, versioned step (tests/images holds a store of
 today's format that every version must keep reading).
 """
-from .layout import (CHECKPOINT_HEADER, DEFAULT_BLOCK_SIZE, FOREIGN_SIGNATURES, FORMAT_VERSION,
+from .layout import (CHECKPOINT_HEADER, CHECKPOINT_HEADER_FIELDS, JOURNAL_FRAME_FIELDS, field_layout, DEFAULT_BLOCK_SIZE, FOREIGN_SIGNATURES, FORMAT_VERSION,
                      JOURNAL_FRAME, MAGIC_CHECKPOINT, MAGIC_JOURNAL, MAGIC_SUPERBLOCK, MAX_BLOCK_SIZE,
                      MIN_BLOCK_SIZE, MIN_DEVICE_SIZE, SUPERBLOCK, SUPERBLOCK_CHECKED, Superblock,
                      check_block_size, check_device_size, decode_checkpoint_header, decode_journal_header,
@@ -19,6 +19,9 @@ from .records import (RECORD_TYPES, Attrs, BlockRef, BlockRow, CheckpointState, 
 from ..aligned import SECTOR, align_down, align_up
 
 __all__ = [
+    "CHECKPOINT_HEADER_FIELDS",
+    "JOURNAL_FRAME_FIELDS",
+    "field_layout",
     "CHECKPOINT_HEADER",
     "DEFAULT_BLOCK_SIZE",
     "FOREIGN_SIGNATURES",

@@ -80,6 +80,7 @@ CHECKPOINT_HEADER = struct.Struct(
     "Q"    # header_hash       xxh64 of the 32 bytes above, seeded with hash_seed
 )
 assert CHECKPOINT_HEADER.size == 40
+CHECKPOINT_HEADER_FIELDS = ("magic", "generation", "payload_len", "payload_hash", "header_hash")
 
 JOURNAL_FRAME = struct.Struct(
     "<"
@@ -92,6 +93,23 @@ JOURNAL_FRAME = struct.Struct(
     "Q"    # header_hash       xxh64 of the 40 bytes above, seeded with hash_seed
 )
 assert JOURNAL_FRAME.size == 48
+JOURNAL_FRAME_FIELDS = ("magic", "generation", "seq", "payload_len", "reserved0", "payload_hash", "header_hash")
+
+
+def field_layout(layout, names):
+    """[(offset, size, name), ...] of a struct whose fields are ``names`` (docs/format.md's tables)."""
+    codes = [c for c in layout.format if c.isalpha() or c.isdigit()]
+    out, offset, count = [], 0, ""
+    for c in codes:
+        if c.isdigit():
+            count += c
+            continue
+        size = struct.calcsize("<" + (count or "1") + c) if c == "s" else struct.calcsize("<" + c)
+        out.append((offset, size))
+        offset += size
+        count = ""
+    assert len(out) == len(names) and offset == layout.size, (len(out), len(names), offset)
+    return [(off, size, name) for (off, size), name in zip(out, names)]
 
 
 def check_block_size(block_size):
