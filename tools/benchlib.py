@@ -63,6 +63,73 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def cpu_s_per_gb(cpu_seconds, nbytes):
+    """Whole-machine busy CPU-seconds per GB (1e9 bytes) moved."""
+    if cpu_seconds is None or not nbytes:
+        return None
+    return cpu_seconds / (nbytes / 1e9)
+
+
+# --------------------------------------------------------------------------
+# Whole-machine CPU time
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_busy_seconds():
+    """Busy CPU-seconds of the whole machine since boot, summed over all CPUs.
+
+    From the aggregate ``cpu`` line of /proc/stat: user + nice + system + irq +
+    softirq + steal.  idle and iowait are not busy; guest and guest_nice are
+    already counted in user and nice.  A FUSE daemon, the kernel's work for
+    every process, loop-device and kworker threads are all in it.
+    """
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    if fields[0] != "cpu":
+        raise BenchError("/proc/stat does not start with the aggregate cpu line")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+class Timed(tuple):
+    """(seconds, cpu_seconds) of one timed section: its wall time, and the
+    whole machine's busy CPU time (``cpu_busy_seconds``) over it."""
+    __slots__ = ()
+
+    def __new__(cls, seconds, cpu_seconds):
+        return super().__new__(cls, (seconds, cpu_seconds))
+
+    seconds = property(lambda self: self[0])
+    cpu_seconds = property(lambda self: self[1])
+
+
+class Meter:
+    """``with Meter() as m: ...`` then ``m.result()`` is the section's Timed."""
+
+    def __enter__(self):
+        self._cpu = cpu_busy_seconds()
+        self._start = time.perf_counter()
+        self._timed = None
+        return self
+
+    def __exit__(self, *exc):
+        seconds = time.perf_counter() - self._start
+        self._timed = Timed(seconds, cpu_busy_seconds() - self._cpu)
+        return False
+
+    def result(self):
+        return self._timed
+
+
+def timed(fn, *args, **kwargs):
+    """Call ``fn`` and return (its result, Timed)."""
+    with Meter() as meter:
+        value = fn(*args, **kwargs)
+    return value, meter.result()
+
+
 # --------------------------------------------------------------------------
 # Chunk contents
 
@@ -118,7 +185,8 @@ def make_chunks(count, chunk_bytes, seed=0):
 
 def run_parallel(items, threads, work, setup=None):
     """Call ``work(state, item)`` for every item from ``threads`` threads that
-    pull from one shared queue; return the wall time until the last finishes.
+    pull from one shared queue; return a ``Timed``: the wall time until the last
+    finishes, and the whole machine's busy CPU time over the same interval.
 
     ``setup()`` builds per-thread state (a staging buffer) *before* the clock
     starts, so allocation and page faults are not measured.
@@ -141,16 +209,15 @@ def run_parallel(items, threads, work, setup=None):
                 raise
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        start = time.perf_counter()
-        futures = [pool.submit(worker, state) for state in states]
-        try:
-            for future in futures:
-                future.result()  # re-raises a worker's exception here
-        except BaseException:
-            stop.set()  # e.g. SIGTERM: let the pool's shutdown return soon
-            raise
-        elapsed = time.perf_counter() - start
-    return elapsed
+        with Meter() as meter:
+            futures = [pool.submit(worker, state) for state in states]
+            try:
+                for future in futures:
+                    future.result()  # re-raises a worker's exception here
+            except BaseException:
+                stop.set()  # e.g. SIGTERM: let the pool's shutdown return soon
+                raise
+    return meter.result()
 
 
 def write_files(directory, chunks, threads=LMCACHE_THREADS, odirect=False):
@@ -191,7 +258,7 @@ def read_files(files, threads, odirect):
     """Read each file whole with one readv() into a page-aligned staging buffer.
 
     With O_DIRECT the request length is rounded up to the alignment; the call
-    must still return exactly the file size.  Returns the wall time.
+    must still return exactly the file size.  Returns a Timed.
     """
     largest = max(size for _, size in files)
     flags = os.O_RDONLY | (os.O_DIRECT if odirect else 0)
@@ -357,23 +424,24 @@ def remove_tree(path):
 
 
 def fio_job(filename, size_bytes, rw, iodepth=16, end_fsync=False):
-    """One fio job of 1 MiB O_DIRECT libaio I/O; returns its throughput in GB/s.
+    """One fio job of 1 MiB O_DIRECT libaio I/O; returns (GB/s, CPU-s/GB).
 
     fio's runtime includes the end_fsync, so a write job's number is the rate
-    at which data becomes durable.
+    at which data becomes durable.  The CPU figure is the whole machine's busy
+    time while the fio process ran (its start-up included), per GB it moved.
     """
     cmd = ["fio", "--name=kvfs-bench", f"--filename={filename}", f"--size={size_bytes}",
            f"--rw={rw}", "--bs=1M", "--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}",
            "--numjobs=1", "--output-format=json"]
     if end_fsync:
         cmd.append("--end_fsync=1")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc, (_, cpu) = timed(subprocess.run, cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BenchError(f"fio {rw} failed: {proc.stderr.strip()}")
     # fio may print warnings before the JSON document.
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     job = report["jobs"][0]["write" if "write" in rw else "read"]
-    return gbps(job["io_bytes"], job["runtime"] / 1000)
+    return gbps(job["io_bytes"], job["runtime"] / 1000), cpu_s_per_gb(cpu, job["io_bytes"])
 
 
 def fio_device_limits(directory, size_bytes, iodepth=16):
@@ -382,11 +450,13 @@ def fio_device_limits(directory, size_bytes, iodepth=16):
     with contextlib.suppress(FileNotFoundError):
         os.unlink(filename)  # a fresh file each time, like a fresh store
     try:
-        return {
-            "seq_write_gbps": fio_job(filename, size_bytes, "write", iodepth, end_fsync=True),
-            "seq_read_gbps": fio_job(filename, size_bytes, "read", iodepth),
-            "rand_read_gbps": fio_job(filename, size_bytes, "randread", iodepth),
-        }
+        limits = {}
+        for name, rw, end_fsync in (("seq_write", "write", True), ("seq_read", "read", False),
+                                    ("rand_read", "randread", False)):
+            speed, cpu = fio_job(filename, size_bytes, rw, iodepth, end_fsync=end_fsync)
+            limits[f"{name}_gbps"] = speed
+            limits[f"{name}_cpu_s_per_gb"] = cpu
+        return limits
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(filename)
