@@ -256,7 +256,9 @@ class KvfsSide:
         stats = self.stats()
         memory = bl.process_memory(stats["pid"])
         return {"pid": stats["pid"], "rss_mib": mib(memory.get("VmRSS")),
-                "hwm_mib": mib(memory.get("VmHWM")), "metadata_bytes": stats.get("metadata_bytes")}
+                "hwm_mib": mib(memory.get("VmHWM")), "metadata_bytes": stats.get("metadata_bytes"),
+                # RSS includes the block cache's data blocks: this says how much.
+                "cache_bytes": stats.get("cache_bytes")}
 
     def umount(self):
         bl.kvfs_tool("admin", "umount", self.mnt, timeout=3600)
