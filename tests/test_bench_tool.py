@@ -5,8 +5,10 @@ These tests use tiny chunks and assert on shape and sanity, never on speed.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,222 @@ def test_lmcache_without_workload_module_exits_2(tmp_path):
     assert "lmcache_workload.py is missing" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["write", "read", "compare", "lmcache"])
+@pytest.mark.parametrize("command", ["write", "read", "compare", "lmcache", "softpath", "meta"])
 def test_every_subcommand_has_help(command):
     assert "usage:" in bench(command, "--help").stdout
+
+
+# --------------------------------------------------------------------------
+# The modes that set up their own filesystems: softpath, meta, and the CPU
+# figures of compare and lmcache.  Tiny scales; correctness, not speed.
+
+
+def load_benchlib():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_softpath
+        import benchlib
+    finally:
+        sys.path.remove(str(TOOLS))
+    return benchlib, bench_softpath
+
+
+def leftovers(path):
+    """Mounts and loop devices that still refer to anything under ``path``."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line for line in f if str(path) in line]
+    loops = [line for line in subprocess.run(["losetup", "-a"], capture_output=True, text=True)
+             .stdout.splitlines() if str(path) in line]
+    return mounts + loops
+
+
+def assert_torn_down(workdir):
+    assert leftovers(workdir) == []
+    assert [p.name for p in Path(workdir).iterdir() if p.name.startswith("kvfs-bench-")] == []
+
+
+def assert_cpu_figure(fig):
+    """A timed figure: positive speed, CPU not negative, CPU-s/GB = CPU / GB."""
+    assert fig["seconds"] > 0
+    assert fig["gbps"] > 0
+    assert fig["gbps"] == pytest.approx(fig["bytes"] / fig["seconds"] / 1e9)
+    assert fig["cpu_seconds"] >= 0  # /proc/stat counts in 10 ms ticks: a tiny section may read 0
+    assert fig["cpu_s_per_gb"] == pytest.approx(fig["cpu_seconds"] / (fig["bytes"] / 1e9))
+
+
+def test_softpath_reports_every_figure_and_tears_down(tmp_path):
+    pytest.importorskip("torch")
+    files, mib = 3, 2
+    out = bench_json("softpath", "--files", files, "--file-mib", mib, "--repeat", 1,
+                     "--workdir", tmp_path)
+    _, softpath = load_benchlib()
+    expected = files * mib * MiB
+
+    assert out["config"]["bytes"] == expected
+    assert len(out["runs"]) == 1
+    run = out["runs"][0]
+    assert sorted(run["order"]) == ["ext4", "kvfs"]
+    for side in ("kvfs", "ext4"):
+        for name in softpath.FIGURES:
+            fig = run[side][name]
+            assert fig["bytes"] == fig["expected_bytes"] == expected, (side, name)
+            assert_cpu_figure(fig)
+            if name != softpath.WRITE_PATH:
+                assert fig["files_verified"] == files
+            if name.startswith("cold"):
+                # Cold means the device delivered every byte.
+                assert fig["device_bytes_read"] >= expected, (side, name)
+        assert run[side]["flush_after_write"]["seconds"] > 0
+        # With --repeat 1 the medians are that one run.
+        for name in softpath.FIGURES:
+            assert out["medians"][side][name]["gbps"] == run[side][name]["gbps"]
+
+    assert sorted(out["table"]) == sorted(softpath.FIGURES)
+    for name, row in out["table"].items():
+        assert row["speed_ratio"] == pytest.approx(row["kvfs_gbps"] / row["ext4_gbps"])
+        if row["ext4_cpu_s_per_gb"]:
+            assert row["cpu_ratio"] == pytest.approx(row["kvfs_cpu_s_per_gb"] / row["ext4_cpu_s_per_gb"])
+    assert sorted(out["targets"]) == sorted(t[0] for t in softpath.TARGETS)
+    for name, target in out["targets"].items():
+        value = out["table"][target["figure"]][target["ratio"]]
+        assert target["value"] == value
+        if value is not None:
+            want = value >= target["target"] if target["kind"] == "min" else value <= target["target"]
+            assert target["met"] is want, name
+    assert_torn_down(tmp_path)
+
+
+def test_softpath_interrupted_still_tears_down(tmp_path):
+    """Ctrl-C in the middle of a run leaves no mount and no loop device behind."""
+    pytest.importorskip("torch")
+    proc = subprocess.Popen([sys.executable, str(BENCH), "softpath", "--files", "8", "--file-mib", "4",
+                             "--repeat", "3", "--workdir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # wait until the filesystems are up and in use
+            if "repeat 1/3: kvfs" in line or "repeat 1/3: ext4" in line:
+                break
+        else:
+            pytest.fail("softpath never started its first run")
+        assert leftovers(tmp_path), "expected mounts while it runs"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "interrupted" in err
+    assert_torn_down(tmp_path)
+
+
+def test_softpath_cold_check_catches_a_warm_read(tmp_path):
+    """The check that makes 'cold' honest fails when caches are not dropped."""
+    benchlib, softpath = load_benchlib()
+
+    class NoDrop(softpath.Side):
+        def drop_caches(self):
+            pass  # what a benchmark that forgot to drop would do
+
+    with benchlib.Teardown() as teardown:
+        dev, _ = benchlib.ext4_on_loop(teardown, tmp_path / "img", 256 * MiB, tmp_path / "mnt")
+        side = NoDrop("ext4", str(tmp_path / "mnt"), loop_dev=dev)
+        contents = [benchlib.aligned_buffer(MiB) for _ in range(2)]
+        for index, buf in enumerate(contents):
+            benchlib.fill_random(buf, index)
+        expected = [benchlib.content_hash(buf) for buf in contents]
+        buffers = [benchlib.aligned_buffer(MiB) for _ in range(2)]
+        with pytest.raises(softpath.ColdCheckFailed):
+            softpath.run_side(side, [memoryview(b) for b in contents], expected, buffers, MiB)
+        # And a wrong expected hash is caught as a content mismatch.
+        paths = side.paths(1)
+        with open(paths[0], "wb") as f:
+            f.write(contents[0])
+        with pytest.raises(softpath.ContentMismatch):
+            softpath.read_pass(paths, buffers, MiB, 1, False)
+            softpath.verify(paths, buffers[:1], MiB, [expected[1]])
+    assert leftovers(tmp_path) == []
+
+
+META_RATES = ["create_write_close", "stat", "cold_lookup_hit", "cold_lookup_miss", "unlink",
+              "list_create", "list_cold", "list_warm"]
+
+
+def test_meta_reports_every_figure_and_tears_down(tmp_path):
+    files, size, dirs, entries, sample = 60, 10_000, 3, 40, 5
+    out = bench_json("meta", "--files", files, "--size", size, "--dirs", dirs, "--list-entries", entries,
+                     "--sample", sample, "--workdir", tmp_path)
+
+    assert out["config"]["files"] == files
+    for side in ("kvfs", "ext4"):
+        result = out[side]
+        assert result["bytes_written"] == result["expected_bytes"] == files * size
+        for name in META_RATES:
+            fig = result[name]
+            assert fig["count"] == (entries if name.startswith("list") else files), (side, name)
+            assert fig["seconds"] > 0 and fig["per_s"] > 0, (side, name)
+            assert fig["per_s"] == pytest.approx(fig["count"] / fig["seconds"])
+            assert fig["cpu_seconds"] >= 0
+        assert result["stat"]["bytes_counted"] == files * size
+        assert result["cold_lookup_hit"]["found"] == files
+        assert result["cold_lookup_miss"]["found"] == 0
+        assert result["files_after_remount"] == files
+        assert result["sample_verified"] == sample
+        assert result["umount_seconds"] > 0 and result["remount_seconds"] > 0
+    assert out["ext4"]["cold_lookup_hit"]["device_bytes_read"] >= 0
+
+    kvfs = out["kvfs"]
+    memory = kvfs["memory"]
+    assert memory["after_remount"]["pid"] != memory["before_umount"]["pid"], "remount starts a new daemon"
+    for point in ("at_start", "after_writes", "before_umount", "after_remount", "at_end"):
+        assert memory[point]["rss_mib"] > 0
+        assert memory[point]["hwm_mib"] >= memory[point]["rss_mib"]
+        assert kvfs["rss"][f"{point}_mib"] == memory[point]["rss_mib"]
+    assert memory["after_writes"]["metadata_bytes"] > memory["at_start"]["metadata_bytes"]
+    probe = kvfs["checkpoint_probe"]
+    assert probe["checkpoints_written"] == 1
+    assert probe["probes"] > 0 and probe["baseline_probes"] > 0
+    assert probe["max_latency_ms"] >= probe["p99_latency_ms"] >= probe["median_latency_ms"] > 0
+    assert "checkpoint_probe" not in out["ext4"]
+
+    for name in META_RATES:
+        assert out["ratios"][f"{name}_kvfs_over_ext4"] == pytest.approx(
+            kvfs[name]["per_s"] / out["ext4"][name]["per_s"])
+    targets = out["targets"]
+    assert targets["at_goal_scale"] is False
+    assert targets["checkpoint_max_latency_ms"]["value"] == probe["max_latency_ms"]
+    assert targets["stat_kvfs_over_ext4"]["value"] == out["ratios"]["stat_kvfs_over_ext4"]
+    assert all(t["met"] is not None for name, t in targets.items() if name != "at_goal_scale")
+    assert_torn_down(tmp_path)
+
+
+def test_compare_reports_cpu_per_gb_for_every_figure(tmp_path):
+    pytest.importorskip("torch")
+    out = bench_json("compare", "--chunks", 2, "--chunk-mib", 1, "--repeat", 1,
+                     "--filesystems", "kvfs,ext4,fio", "--workdir", tmp_path)
+    for fs in ("kvfs", "ext4", "fio"):
+        medians = out["medians"][fs]
+        speeds = [key for key in medians if key.endswith("_gbps")]
+        assert speeds
+        for key in speeds:
+            cpu = medians[key[:-len("_gbps")] + "_cpu_s_per_gb"]
+            assert cpu is not None and cpu >= 0, (fs, key)
+    assert_torn_down(tmp_path)
+
+
+def test_lmcache_compares_odirect_with_odirect(tmp_path):
+    pytest.importorskip("lmcache")
+    out = bench_json("lmcache", "--chunks", 1, "--store-size", "2G", "--workdir", tmp_path)
+    assert out["config"]["modes"] == ["buffered", "odirect"]
+    ratios = out["ratios"]
+    for name, (kvfs_mode, ext4_mode) in {
+            "retrieve_kvfs_buffered_over_ext4_buffered": ("buffered", "buffered"),
+            "retrieve_kvfs_odirect_over_ext4_odirect": ("odirect", "odirect"),
+            "retrieve_kvfs_odirect_over_ext4_buffered": ("odirect", "buffered")}.items():
+        kvfs, ext4 = out["kvfs"][kvfs_mode], out["ext4"][ext4_mode]
+        assert kvfs["use_odirect"] == (kvfs_mode == "odirect")
+        assert ext4["use_odirect"] == (ext4_mode == "odirect")
+        assert ratios[name]["value"] == pytest.approx(kvfs["retrieve_gbps"] / ext4["retrieve_gbps"])
+        assert kvfs["retrieve_cpu_s_per_gb"] >= 0
+    assert_torn_down(tmp_path)

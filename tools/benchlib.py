@@ -63,6 +63,73 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def cpu_s_per_gb(cpu_seconds, nbytes):
+    """Whole-machine busy CPU-seconds per GB (1e9 bytes) moved."""
+    if cpu_seconds is None or not nbytes:
+        return None
+    return cpu_seconds / (nbytes / 1e9)
+
+
+# --------------------------------------------------------------------------
+# Whole-machine CPU time
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_busy_seconds():
+    """Busy CPU-seconds of the whole machine since boot, summed over all CPUs.
+
+    From the aggregate ``cpu`` line of /proc/stat: user + nice + system + irq +
+    softirq + steal.  idle and iowait are not busy; guest and guest_nice are
+    already counted in user and nice.  A FUSE daemon, the kernel's work for
+    every process, loop-device and kworker threads are all in it.
+    """
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    if fields[0] != "cpu":
+        raise BenchError("/proc/stat does not start with the aggregate cpu line")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+class Timed(tuple):
+    """(seconds, cpu_seconds) of one timed section: its wall time, and the
+    whole machine's busy CPU time (``cpu_busy_seconds``) over it."""
+    __slots__ = ()
+
+    def __new__(cls, seconds, cpu_seconds):
+        return super().__new__(cls, (seconds, cpu_seconds))
+
+    seconds = property(lambda self: self[0])
+    cpu_seconds = property(lambda self: self[1])
+
+
+class Meter:
+    """``with Meter() as m: ...`` then ``m.result()`` is the section's Timed."""
+
+    def __enter__(self):
+        self._cpu = cpu_busy_seconds()
+        self._start = time.perf_counter()
+        self._timed = None
+        return self
+
+    def __exit__(self, *exc):
+        seconds = time.perf_counter() - self._start
+        self._timed = Timed(seconds, cpu_busy_seconds() - self._cpu)
+        return False
+
+    def result(self):
+        return self._timed
+
+
+def timed(fn, *args, **kwargs):
+    """Call ``fn`` and return (its result, Timed)."""
+    with Meter() as meter:
+        value = fn(*args, **kwargs)
+    return value, meter.result()
+
+
 # --------------------------------------------------------------------------
 # Chunk contents
 
@@ -118,7 +185,8 @@ def make_chunks(count, chunk_bytes, seed=0):
 
 def run_parallel(items, threads, work, setup=None):
     """Call ``work(state, item)`` for every item from ``threads`` threads that
-    pull from one shared queue; return the wall time until the last finishes.
+    pull from one shared queue; return a ``Timed``: the wall time until the last
+    finishes, and the whole machine's busy CPU time over the same interval.
 
     ``setup()`` builds per-thread state (a staging buffer) *before* the clock
     starts, so allocation and page faults are not measured.
@@ -141,16 +209,15 @@ def run_parallel(items, threads, work, setup=None):
                 raise
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        start = time.perf_counter()
-        futures = [pool.submit(worker, state) for state in states]
-        try:
-            for future in futures:
-                future.result()  # re-raises a worker's exception here
-        except BaseException:
-            stop.set()  # e.g. SIGTERM: let the pool's shutdown return soon
-            raise
-        elapsed = time.perf_counter() - start
-    return elapsed
+        with Meter() as meter:
+            futures = [pool.submit(worker, state) for state in states]
+            try:
+                for future in futures:
+                    future.result()  # re-raises a worker's exception here
+            except BaseException:
+                stop.set()  # e.g. SIGTERM: let the pool's shutdown return soon
+                raise
+    return meter.result()
 
 
 def write_files(directory, chunks, threads=LMCACHE_THREADS, odirect=False):
@@ -191,7 +258,7 @@ def read_files(files, threads, odirect):
     """Read each file whole with one readv() into a page-aligned staging buffer.
 
     With O_DIRECT the request length is rounded up to the alignment; the call
-    must still return exactly the file size.  Returns the wall time.
+    must still return exactly the file size.  Returns a Timed.
     """
     largest = max(size for _, size in files)
     flags = os.O_RDONLY | (os.O_DIRECT if odirect else 0)
@@ -357,23 +424,24 @@ def remove_tree(path):
 
 
 def fio_job(filename, size_bytes, rw, iodepth=16, end_fsync=False):
-    """One fio job of 1 MiB O_DIRECT libaio I/O; returns its throughput in GB/s.
+    """One fio job of 1 MiB O_DIRECT libaio I/O; returns (GB/s, CPU-s/GB).
 
     fio's runtime includes the end_fsync, so a write job's number is the rate
-    at which data becomes durable.
+    at which data becomes durable.  The CPU figure is the whole machine's busy
+    time while the fio process ran (its start-up included), per GB it moved.
     """
     cmd = ["fio", "--name=kvfs-bench", f"--filename={filename}", f"--size={size_bytes}",
            f"--rw={rw}", "--bs=1M", "--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}",
            "--numjobs=1", "--output-format=json"]
     if end_fsync:
         cmd.append("--end_fsync=1")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc, (_, cpu) = timed(subprocess.run, cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BenchError(f"fio {rw} failed: {proc.stderr.strip()}")
     # fio may print warnings before the JSON document.
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     job = report["jobs"][0]["write" if "write" in rw else "read"]
-    return gbps(job["io_bytes"], job["runtime"] / 1000)
+    return gbps(job["io_bytes"], job["runtime"] / 1000), cpu_s_per_gb(cpu, job["io_bytes"])
 
 
 def fio_device_limits(directory, size_bytes, iodepth=16):
@@ -382,12 +450,234 @@ def fio_device_limits(directory, size_bytes, iodepth=16):
     with contextlib.suppress(FileNotFoundError):
         os.unlink(filename)  # a fresh file each time, like a fresh store
     try:
-        return {
-            "seq_write_gbps": fio_job(filename, size_bytes, "write", iodepth, end_fsync=True),
-            "seq_read_gbps": fio_job(filename, size_bytes, "read", iodepth),
-            "rand_read_gbps": fio_job(filename, size_bytes, "randread", iodepth),
-        }
+        limits = {}
+        for name, rw, end_fsync in (("seq_write", "write", True), ("seq_read", "read", False),
+                                    ("rand_read", "randread", False)):
+            speed, cpu = fio_job(filename, size_bytes, rw, iodepth, end_fsync=end_fsync)
+            limits[f"{name}_gbps"] = speed
+            limits[f"{name}_cpu_s_per_gb"] = cpu
+        return limits
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(filename)
 
+
+
+# --------------------------------------------------------------------------
+# Scratch filesystems that set themselves up and always tear down
+
+
+class Teardown:
+    """Undo steps, run in reverse order by ``close()`` even after a failure.
+
+    Each step is tried on its own (one failing does not skip the rest), and
+    SIGINT/SIGTERM are ignored while they run, so a second Ctrl-C cannot leave
+    a mount or a loop device behind half undone.
+    """
+
+    def __init__(self):
+        self._steps = []
+
+    def add(self, description, fn, *args):
+        self._steps.append((description, fn, args))
+
+    def close(self):
+        import signal
+        if threading.current_thread() is threading.main_thread():
+            saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        else:
+            saved = {}
+        try:
+            while self._steps:
+                description, fn, args = self._steps.pop()
+                try:
+                    fn(*args)
+                except Exception as exc:  # keep undoing the rest
+                    log(f"teardown: {description} failed: {exc!r}")
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def run_cmd(*cmd, timeout=300):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise BenchError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: "
+                         f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def unmount(mountpoint):
+    """umount; if the filesystem is busy, detach it lazily (umount -l)."""
+    if not os.path.ismount(mountpoint):
+        return
+    if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode != 0:
+        log(f"umount {mountpoint} failed; detaching it lazily")
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
+def mount_tmpfs(teardown, mountpoint, size_bytes):
+    os.makedirs(mountpoint, exist_ok=True)
+    teardown.add(f"rmdir {mountpoint}", lambda: os.path.isdir(mountpoint) and os.rmdir(mountpoint))
+    run_cmd("mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "kvfs-bench", mountpoint)
+    teardown.add(f"umount {mountpoint}", unmount, mountpoint)
+    return str(mountpoint)
+
+
+def loop_attach(teardown, backing, direct_io=True):
+    """Attach ``backing`` to a free loop device; returns (device, direct_io in effect)."""
+    args = ["losetup", "--find", "--show"]
+    dev = None
+    if direct_io:
+        proc = subprocess.run([*args, "--direct-io=on", str(backing)], capture_output=True, text=True)
+        if proc.returncode == 0:
+            dev = proc.stdout.strip()
+    if dev is None:
+        dev = run_cmd(*args, backing).strip()
+    # Registered at once: from here on the device must be detached whatever happens.
+    teardown.add(f"losetup -d {dev}", loop_detach, dev)
+    dio = Path(f"/sys/block/{os.path.basename(dev)}/loop/dio")
+    in_effect = dio.exists() and dio.read_text().strip() == "1"
+    return dev, in_effect
+
+
+def loop_detach(dev):
+    proc = subprocess.run(["losetup", "-d", dev], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"losetup -d {dev}: {proc.stderr.strip()}")
+
+
+def loop_devices_of(backing):
+    """Loop devices attached to the file ``backing`` (for leak checks)."""
+    out = subprocess.run(["losetup", "-n", "-O", "NAME", "-j", str(backing)],
+                         capture_output=True, text=True).stdout
+    return out.split()
+
+
+def block_device_bytes_read(dev):
+    """Bytes read from block device ``dev`` since it was attached (/sys/block/*/stat)."""
+    with open(f"/sys/block/{os.path.basename(dev)}/stat") as f:
+        return int(f.read().split()[2]) * 512
+
+
+def ext4_on_loop(teardown, backing, size_bytes, mountpoint, direct_io=True):
+    """A sparse ``backing`` file of ``size_bytes``, a loop device on it, ext4 on
+    that, mounted at ``mountpoint``.  Returns (loop device, loop direct I/O).
+
+    Inode tables and the journal are initialised by mkfs, so no ext4lazyinit
+    thread writes (and burns CPU) behind the measurements.
+    """
+    os.makedirs(mountpoint, exist_ok=True)
+    teardown.add(f"rmdir {mountpoint}", lambda: os.path.isdir(mountpoint) and os.rmdir(mountpoint))
+    with open(backing, "wb") as f:
+        f.truncate(size_bytes)
+    teardown.add(f"rm {backing}", lambda: Path(backing).unlink(missing_ok=True))
+    dev, dio = loop_attach(teardown, backing, direct_io)
+    run_cmd("mkfs.ext4", "-F", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev, timeout=600)
+    run_cmd("mount", "-t", "ext4", dev, mountpoint)
+    teardown.add(f"umount {mountpoint}", unmount, mountpoint)
+    return dev, dio
+
+
+def kvfs_mkfs_mount(teardown, store, mountpoint, store_size, options=""):
+    """mkfs a sparse kvfs store file and mount it; unmounted and removed by teardown."""
+    os.makedirs(mountpoint, exist_ok=True)
+    teardown.add(f"rmdir {mountpoint}", lambda: os.path.isdir(mountpoint) and os.rmdir(mountpoint))
+    teardown.add(f"rm {store}", lambda: Path(store).unlink(missing_ok=True))
+    kvfs_tool("mkfs", "--size", store_size, "--force", store)
+    # Registered before the mount: a mount that half succeeded must still be undone.
+    teardown.add(f"unmount kvfs {mountpoint}", force_unmount_kvfs, mountpoint)
+    kvfs_mount_only(store, mountpoint, options)
+    return str(mountpoint)
+
+
+def kvfs_mount_only(store, mountpoint, options=""):
+    args = ["-o", options] if options else []
+    kvfs_tool("mount", *args, store, mountpoint, timeout=300)
+
+
+def kvfs_drop_caches(mountpoint, attempts=20):
+    """Empty kvfs's block cache and check through its statistics that it is
+    empty: a prefetch still in flight can refill it after the drop."""
+    for _ in range(attempts):
+        kvfs_tool("admin", "drop-caches", mountpoint)
+        if kvfs_stats(mountpoint)["cache_bytes"] == 0:
+            return
+        time.sleep(0.05)
+    raise BenchError(f"kvfs at {mountpoint} still holds cached blocks after {attempts} drop-caches")
+
+
+def drop_kernel_caches():
+    """Write back dirty pages, then drop the page cache, dentries and inodes."""
+    os.sync()  # drop_caches only drops clean pages
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except PermissionError as exc:
+        raise BenchError("cold runs need root to write /proc/sys/vm/drop_caches") from exc
+
+
+def fadvise_dontneed(paths):
+    """POSIX_FADV_DONTNEED on every file: its cached pages are dropped."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def process_memory(pid):
+    """VmRSS and VmHWM of ``pid`` in bytes, from /proc/<pid>/status."""
+    values = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024  # the kernel prints kB
+    return values
+
+
+# --------------------------------------------------------------------------
+# Verifiable contents
+
+
+def content_hash(buf):
+    """A digest of ``buf`` for checking bytes read against bytes written."""
+    try:
+        import xxhash
+    except ModuleNotFoundError:
+        return hashlib.blake2b(buf, digest_size=16).hexdigest()
+    return xxhash.xxh3_128_hexdigest(buf)
+
+
+def fill_random(buf, seed):
+    """Fill the writable buffer ``buf`` (length a multiple of 8) with
+    pseudo-random bytes from ``seed``: a different seed gives different bytes in
+    every 8-byte word, so no block of one file deduplicates against another."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*NumPy.*")
+        import torch
+    generator = torch.Generator().manual_seed(seed)
+    torch.frombuffer(buf, dtype=torch.int64).random_(generator=generator)
+
+
+def aligned_buffer(nbytes):
+    """A page-aligned, pre-faulted anonymous buffer of at least ``nbytes``."""
+    buf = mmap.mmap(-1, round_up(max(nbytes, 1)))
+    zero_buffer(buf)
+    return buf
+
+
+def zero_buffer(buf):
+    """memset the buffer to 0 (also faults every page in)."""
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+    ctypes.memset(view, 0, len(buf))
+    del view

@@ -204,9 +204,11 @@ def run(directory: str, *, chunks: int, use_odirect: bool,
         if cold_hook is not None:
             cold_hook()
         out = torch.zeros_like(kv)
+        cpu0 = _cpu_busy_seconds()
         t0 = time.perf_counter()
         hit = eng.retrieve(tokens, out)
         retrieve_seconds = time.perf_counter() - t0
+        retrieve_cpu = _cpu_busy_seconds() - cpu0
     finally:
         eng.close()
     if hit != len(tokens) or not bit_equal(out, kv):
@@ -220,4 +222,15 @@ def run(directory: str, *, chunks: int, use_odirect: bool,
         "retrieve_bytes": nbytes,
         "retrieve_seconds": retrieve_seconds,
         "retrieve_gbps": nbytes / retrieve_seconds / 1e9,
+        "retrieve_cpu_seconds": retrieve_cpu,
+        "retrieve_cpu_s_per_gb": retrieve_cpu / (nbytes / 1e9),
     }
+
+
+def _cpu_busy_seconds() -> float:
+    """Whole-machine busy CPU-seconds from /proc/stat (as benchlib.cpu_busy_seconds):
+    user + nice + system + irq + softirq + steal, over all CPUs."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
