@@ -8,6 +8,7 @@ the process exits 0.
 import ctypes
 import ctypes.util
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -35,6 +36,9 @@ class MountOptions:
     allow_other: bool = False
     read_ahead_kb: int = 32768
     by_hash: str = "root"             # who may use /.kvfs/by-hash: "root" or "owner" (fuseops)
+    high_watermark: float = 0.9       # eviction starts above this fraction of the data region used
+    low_watermark: float = 0.8        # ... and stops below this one
+    eviction_policy: str = "s3fifo"   # kvfs/namespace/policy.py
 
     @classmethod
     def defaults(cls):
@@ -73,7 +77,17 @@ class Daemon:
     def stats(self):
         return self.fs.stats()
 
-    async def command(self, name):
+    async def command(self, text):
+        """Run an admin command; returns a JSON-able result for the caller (or None)."""
+        name, _, arg = text.partition(" ")
+        try:
+            args = json.loads(arg) if arg else {}
+            if name == "evict":
+                return await self.fs.ns.admin.evict(**args)
+            if name in ("pin", "unpin"):
+                return await self.fs.ns.admin.pin(list(args["inos"]), pinned=name == "pin")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidArgument(f"malformed {name} command: {exc}") from None
         if name == "flush":
             await self.fs.ns.flush_all()
         elif name == "drop-caches":

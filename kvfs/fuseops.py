@@ -24,6 +24,7 @@ assert ROOT_INO == pyfuse3.ROOT_INODE
 
 STATS_XATTR = b"user.kvfs.stats"
 CONTROL_XATTR = b"user.kvfs.control"
+RESULT_XATTR = b"user.kvfs.result"     # what the caller's last control command answered
 ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
 DOT_ENTRIES = 2             # "." and ".." lead every listing
@@ -73,6 +74,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.owner_uid = os.getuid()
         self._dir_handles = {}
         self._next_dir_fh = 1
+        self._results = {}               # caller pid -> JSON answer of its last control command
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -279,6 +281,8 @@ class KvfsOperations(pyfuse3.Operations):
             if not self._privileged(ctx):
                 raise AccessDenied("statistics are readable by root and the mount's owner only")
             return json.dumps(self.control.stats(), sort_keys=True).encode()
+        if inode == ROOT_INO and name == RESULT_XATTR and ctx.pid in self._results:
+            return self._results.pop(ctx.pid)
         if name == KEY_XATTR:
             key = await self.ns.content_key(inode)      # the key names sealed content only
             if key is not None:
@@ -299,7 +303,11 @@ class KvfsOperations(pyfuse3.Operations):
         if inode == ROOT_INO and name == CONTROL_XATTR:
             if ctx.uid != 0:
                 raise NotPermitted("kvfs control commands need root")
-            await self.control.command(bytes(value).decode("ascii", "replace"))
+            result = await self.control.command(bytes(value).decode("utf-8", "replace"))
+            if result is not None:
+                if len(self._results) > 64:
+                    self._results.pop(next(iter(self._results)))
+                self._results[ctx.pid] = json.dumps(result).encode()
             return
         raise NotSupported("kvfs stores no extended attributes")
 

@@ -105,7 +105,10 @@ class Filesystem:
             index = BlockIndex(store)
             cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
                                read_depth=options.read_depth, flush_workers=options.flush_workers)
-            namespace = Namespace(cache, now=now)
+            namespace = Namespace(cache, now=now,
+                                  eviction_policy=getattr(options, "eviction_policy", "s3fifo"),
+                                  high_watermark=getattr(options, "high_watermark", 0.9),
+                                  low_watermark=getattr(options, "low_watermark", 0.8))
             replayed = store.loaded.replay_report
             _replay(store, index, namespace.load)
             return cls(device, store, index, cache, namespace, replayed)
@@ -123,6 +126,7 @@ class Filesystem:
         idx = self.index.statistics()
         cache = self.cache.statistics()
         ns = self.ns.statistics()
+        evict = self.ns.evictor.statistics()
         elapsed = max(time.time() - self.mounted_at, 1e-9)
         data_used = idx.used_bytes
         injected = {"faults_injected": self.device.injected()} if hasattr(self.device, "injected") else {}
@@ -172,6 +176,14 @@ class Filesystem:
             "commits": store.commits,
             "checkpoints": store.checkpoints,
             "open_handles": ns.open_handles,
+            "eviction_policy": evict.policy,
+            "high_watermark": evict.high_watermark,
+            "low_watermark": evict.low_watermark,
+            "evictions": evict.evictions,
+            "evicted_bytes": evict.evicted_bytes,
+            "pinned_files": evict.pinned_files,
+            "pinned_bytes": evict.pinned_bytes,
+            "used_fraction": round(self.ns.evictor.used_fraction(), 4),
             "uptime_s": round(elapsed, 3),
             **injected,                 # only under a test fault plan: faults injected, by effect
         }

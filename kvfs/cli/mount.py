@@ -1,6 +1,5 @@
 """mount.kvfs: mount a kvfs device; also the mount(8) helper for ``-t kvfs``."""
 import argparse
-import errno
 import logging
 import math
 import os
@@ -10,7 +9,8 @@ import sys
 import trio
 
 from ..daemon import Daemon, Filesystem, MountOptions
-from ..errors import Busy, InvalidArgument, KvfsError, NotFound
+from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
+from ..namespace.policy import POLICIES
 from ..store.mkfs import make_filesystem
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
 
@@ -51,6 +51,14 @@ def _seconds(value):
     return number
 
 
+def _percent(value):
+    """'90' or '90%' -> 0.9; from 1 to 100."""
+    number = _number(float, value.rstrip("%"))
+    if not (math.isfinite(number) and 1 <= number <= 100):
+        raise ValueError("must be a percentage from 1 to 100")
+    return number / 100
+
+
 def parse_options(text):
     """Turn '-o a,b=c' into MountOptions plus the log path.
 
@@ -65,17 +73,18 @@ def parse_options(text):
         if name in IGNORED_OPTIONS or name.startswith("x-") or name == "comment":
             continue
         if name == "ro":
-            raise KvfsError("read-only mounts are not supported (option 'ro')", errno.EINVAL)
+            raise NotSupported("read-only mounts are not supported (option 'ro')")
         if name in FLAG_OPTIONS:
             if has_value:
                 raise InvalidArgument(f"mount option {name!r} takes no value")
             setattr(opts, name, True)
             continue
-        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash"}
+        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
+                                              "low_watermark", "eviction_policy"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
-            raise KvfsError(f"mount option {name!r} needs a value ({name}=...)", errno.EINVAL)
+            raise InvalidArgument(f"mount option {name!r} needs a value ({name}=...)")
         try:
             if name in SIZE_OPTIONS:
                 setattr(opts, name, parse_size(value))
@@ -87,6 +96,12 @@ def parse_options(text):
                 if value not in ("root", "owner"):
                     raise ValueError("(use root or owner)")
                 opts.by_hash = value
+            elif name in ("high_watermark", "low_watermark"):
+                setattr(opts, name, _percent(value))
+            elif name == "eviction_policy":
+                if value not in POLICIES:
+                    raise ValueError(f"(use {' or '.join(sorted(POLICIES))})")
+                opts.eviction_policy = value
             else:
                 log_path = os.path.abspath(value)
         except argparse.ArgumentTypeError as exc:          # parse_size names the value itself
@@ -94,13 +109,16 @@ def parse_options(text):
         except ValueError as exc:
             raise InvalidArgument(f"bad value for mount option {name!r}: {value!r} {exc}") from None
         given.add(name)
+    if not opts.low_watermark < opts.high_watermark:
+        raise InvalidArgument(f"watermarks out of order: low_watermark ({opts.low_watermark:.0%}) must be "
+                              f"below high_watermark ({opts.high_watermark:.0%})")
     if "dirty_limit" not in given:
         opts.dirty_limit = opts.cache_size // 2
     elif opts.dirty_limit > opts.cache_size:
-        raise KvfsError(f"mount option 'dirty_limit' ({opts.dirty_limit} bytes) exceeds "
-                        f"'cache_size' ({opts.cache_size} bytes)", errno.EINVAL)
+        raise InvalidArgument(f"mount option 'dirty_limit' ({opts.dirty_limit} bytes) exceeds "
+                              f"'cache_size' ({opts.cache_size} bytes)")
     if log_path is not None and not os.path.isdir(os.path.dirname(log_path)):
-        raise KvfsError(f"log file directory {os.path.dirname(log_path)} does not exist", errno.ENOENT)
+        raise NotFound(f"log file directory {os.path.dirname(log_path)} does not exist")
     return opts, log_path
 
 
@@ -187,6 +205,8 @@ def main(argv):
                            f"({DEFAULT_STORE}, created and formatted on first use).",
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
+                      "by_hash=root|owner, high_watermark=PCT (default 90), low_watermark=PCT "
+                      "(default 80), eviction_policy=s3fifo|lru, "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
@@ -201,7 +221,7 @@ def main(argv):
     check_mountpoint(mountpoint)
     device = os.path.abspath(args.paths[0]) if len(args.paths) == 2 else ensure_default_store()
     if not os.path.exists(device):
-        raise KvfsError(f"{device}: no such device or file (create it with mkfs.kvfs)", errno.ENOENT)
+        raise NotFound(f"{device}: no such device or file (create it with mkfs.kvfs)")
     tag = f"kvfs[{mountpoint}]"
     if args.foreground:
         setup_logging(path=log_path, tag=tag)

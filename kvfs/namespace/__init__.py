@@ -20,6 +20,7 @@ from .. import schema
 from ..errors import (BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
+from .eviction import Admin, Evictor
 from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO,
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
@@ -55,19 +56,25 @@ class NamespaceStatistics:
 
 
 class Namespace(Durability):
-    def __init__(self, cache, *, now=time.time_ns):
+    def __init__(self, cache, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
+                 low_watermark=0.8):
         self.cache = cache
         self.now = now
         self.tree = Tree(cache, now)
         self.view = ByHashView(self.tree, cache)
+        self.evictor = Evictor(self, policy=eviction_policy, high_watermark=high_watermark,
+                               low_watermark=low_watermark)
+        self.admin = Admin(self, self.evictor)
         self.handles = {}
         self._next_fh = 1
         self._nursery = None
         self._durability_lock = trio.Lock()
+        self._space_wanted = trio.Event()
 
     def load(self, state, records):
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
         self.tree.load(state, records)
+        self.evictor.load()
 
     # -- space ----------------------------------------------------------------
     @property
@@ -365,6 +372,7 @@ class Namespace(Durability):
         keep = not writable and not inode.writers and inode.cached_version == inode.content_version
         inode.cached_version = inode.content_version
         if not writable:
+            self.evictor.accessed(inode)
             self.cache.prefetch(inode.data)
         return fh, False, keep
 

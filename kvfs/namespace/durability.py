@@ -11,7 +11,7 @@ import logging
 import trio
 
 from .. import schema
-from ..errors import JournalFull, KvfsError, SpaceAwaitsCommit
+from ..errors import JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,17 @@ class Durability:
         await self.cache.checkpoint(self.tree.snapshot())
 
     async def _with_space(self, operation):
-        """Run ``operation()``; when the space it needs awaits a commit, commit and retry."""
+        """Run ``operation()``; when the space it needs awaits a commit, commit and retry;
+        when there is none, wait for eviction to make room (back-pressure) and retry.
+        ENOSPC only when nothing more can be evicted."""
         for _ in range(SPACE_RETRIES):
             try:
                 return await operation()
             except SpaceAwaitsCommit:
                 await self.commit()
+            except NoSpace:
+                if not await self.evictor.make_room(self.cache.block_size):
+                    raise
         return await operation()
 
     # -- sealing ------------------------------------------------------------
@@ -105,6 +110,9 @@ class Durability:
             return
         blocks = tuple(None if k is None else schema.BlockRef(k, *self.cache.extent_of(k)) for k in keys)
         self._emit(schema.Content(inode.ino, filedata.size, inode.mtime, inode.ctime, blocks))
+        self.evictor.sealed(inode)
+        if self.evictor.over_high_watermark():
+            self._space_wanted.set()
 
     # -- whole-filesystem operations -----------------------------------------
     async def flush_all(self):
@@ -121,6 +129,7 @@ class Durability:
         """Background upkeep: seal idle files, commit the journal, checkpoint when it fills."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._evict_when_full, commit_interval)
             task_status.started()
             while True:
                 await trio.sleep(commit_interval)
@@ -138,3 +147,15 @@ class Durability:
                     # retries; fsync and flush report the error to their callers.
                     # The mount stays up, and the durable state is untouched.
                     log.error("committing metadata failed, will retry: %s", exc)
+
+    async def _evict_when_full(self, interval):
+        """Keep used space under the high watermark: woken by a seal that crossed it, or every interval."""
+        while True:
+            with trio.move_on_after(interval):
+                await self._space_wanted.wait()
+            self._space_wanted = trio.Event()
+            if self.evictor.over_high_watermark():
+                try:
+                    await self.evictor.make_room()
+                except KvfsError as exc:
+                    log.error("eviction failed, will retry: %s", exc)

@@ -84,7 +84,7 @@ class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
                  "parent", "entries", "target", "data", "committed", "size_committed",
                  "content_key", "content_version", "cached_version", "content_dirty",
-                 "lookups", "opens", "writers", "sealing", "provisional")
+                 "lookups", "opens", "writers", "sealing", "provisional", "names", "evicted")
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
@@ -103,6 +103,8 @@ class Inode:
         self.lookups = self.opens = self.writers = 0
         self.sealing = False
         self.provisional = False           # created, no content record yet (see module doc)
+        self.names = set() if stat.S_ISREG(mode) else None   # files: {(directory ino, name)}, for eviction
+        self.evicted = False               # removed by eviction: gone, even for the kernel's cached lookups
 
     @property
     def is_dir(self):

@@ -57,12 +57,14 @@ class Tree:
         self.by_content = {}       # content key -> set of inode numbers
         self.next_ino = FIRST_INO
         self.loading = True        # during replay nothing is held in RAM yet
+        self.pinned = set()        # files never evicted (durable: the checkpoint's "pinned")
+        self.on_drop = None        # called with an inode that left the durable namespace
         self._meta_bytes = 0       # inode rows, entries, targets, block lists (see INODE_ROW_COST)
 
     # -- lookups --------------------------------------------------------------
     def inode(self, ino):
         inode = self.inodes.get(ino) or self.orphans.get(ino)
-        if inode is None:
+        if inode is None or inode.evicted:
             raise NotFound()
         return inode
 
@@ -84,6 +86,7 @@ class Tree:
             self._load_inode(row)
         for ino in state.provisional:
             self.inodes[ino].provisional = True
+        self.pinned = set(state.pinned)
         if ROOT_INO not in self.inodes:     # a fresh filesystem: mkfs writes an empty state
             root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now=self.now())
             root.parent = ROOT_INO
@@ -98,6 +101,12 @@ class Tree:
             except Exception:               # noqa: BLE001 - salvage: whatever does not apply is skipped
                 skipped += 1
         self._drop_provisional()
+        self.pinned &= self.inodes.keys()
+        for directory in [i for i in self.inodes.values() if i.is_dir]:
+            for name, (child, _) in directory.entries.by_name.items():
+                node = self.inodes.get(child)
+                if node is not None and node.names is not None:
+                    node.names.add((directory.ino, name))
         self._meta_bytes = sum(self._inode_cost(i) for i in self.inodes.values())
         self.loading = False
         for inode in self.inodes.values():
@@ -148,7 +157,8 @@ class Tree:
             rows.append(schema.InodeRow(inode.ino, inode.mode, inode.uid, inode.gid, inode.nlink,
                                         inode.rdev, inode.atime, inode.mtime, inode.ctime, payload))
         return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
-                                      provisional=[i.ino for i in self.inodes.values() if i.provisional])
+                                      provisional=[i.ino for i in self.inodes.values() if i.provisional],
+                                      pinned=sorted(self.pinned))
 
     # -- record application (shared by live operations and replay) ----------
     def apply(self, rec):
@@ -197,6 +207,8 @@ class Tree:
 
     def _link(self, directory, name, inode, ns):
         directory.entries.add(name, inode.ino)
+        if inode.names is not None and not self.loading:
+            inode.names.add((directory.ino, name))
         self._meta_bytes += DIR_ENTRY_COST + len(name)
         directory.mtime = directory.ctime = ns
         if inode.is_dir:
@@ -206,6 +218,8 @@ class Tree:
     def _unlink(self, directory, name, ns, keep=False):
         inode = self.inodes[directory.entries.get(name)]
         directory.entries.remove(name)
+        if inode.names is not None:
+            inode.names.discard((directory.ino, name))
         self._meta_bytes -= DIR_ENTRY_COST + len(name)
         directory.mtime = directory.ctime = ns
         inode.ctime = ns
@@ -221,6 +235,9 @@ class Tree:
     def _drop_inode(self, inode):
         """The inode left the durable namespace; free it now or when the kernel lets go."""
         del self.inodes[inode.ino]
+        self.pinned.discard(inode.ino)
+        if self.on_drop is not None:
+            self.on_drop(inode)
         self._meta_bytes -= INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
         if inode.is_file:
             for key in inode.committed:
@@ -230,6 +247,11 @@ class Tree:
             inode.committed = []
         if inode.lookups or inode.opens:
             self.orphans[inode.ino] = inode
+            if inode.evicted and inode.data is not None and not self.loading:
+                # Nobody has it open, and a cached lookup may not reach it any more:
+                # its blocks go now, not when the kernel forgets the inode.
+                self.blocks.release(inode.data)
+                inode.data = None
         else:
             self.destroy(inode)
 

@@ -223,11 +223,12 @@ class CheckpointState:
     free: Optional[list] = doc("[off, length] free extents of the data region, sorted and "
                                "coalesced; absent (mkfs's empty map): all of it is free")
     provisional: list = doc("inode numbers of files with no content record yet")
+    pinned: list = field(default_factory=list, metadata={"doc": "inode numbers of files never evicted"})
 
     def to_wire(self):
         return {"next_ino": self.next_ino, "inodes": [r.to_wire() for r in self.inodes],
                 "blocks": [b.to_wire() for b in self.blocks], "free": [list(e) for e in self.free],
-                "provisional": list(self.provisional)}
+                "provisional": list(self.provisional), "pinned": list(self.pinned)}
 
     @classmethod
     def from_wire(cls, wire, first_ino):
@@ -239,6 +240,7 @@ class CheckpointState:
                        inodes=[InodeRow(*row) for row in wire.get("inodes", ())],
                        blocks=[BlockRow(*row) for row in wire.get("blocks", ())],
                        free=None if free is None else [tuple(e) for e in free],
-                       provisional=list(wire.get("provisional", ())))
+                       provisional=list(wire.get("provisional", ())),
+                       pinned=list(wire.get("pinned", ())))
         except (TypeError, ValueError) as exc:
             raise FormatError(f"checkpoint payload is malformed: {exc}") from None
