@@ -5,24 +5,24 @@ only thing this module adds is the plumbing every test needs (mkfs, assemble
 the stack, run its background tasks, persist, close, fsck).
 """
 import contextlib
+import json
 import os
 import stat
 
 import trio
 import trio.testing
 
-from kvfs import format as fmt
-from kvfs import fsck
-from kvfs.blockcache import BlockCache
-from kvfs.blockindex import BlockIndex
-from kvfs.cli.mkfs import make_filesystem
-from kvfs.daemon import Filesystem, MountOptions
-from kvfs.device import Device
-from kvfs.extents import ExtentStore
-from kvfs.namespace import ROOT_INO, Namespace
+import time
+
+from kvfs import faults as kvfs_faults
+from kvfs import fsck, schema
+from kvfs.daemon import MountOptions
+from kvfs.namespace import ROOT_INO
+from kvfs.stack import Filesystem
+from kvfs.store.mkfs import make_filesystem
 
 BS = 64 << 10                 # smallest legal block size: keeps the tests fast
-DEV_SIZE = fmt.MIN_DEVICE_SIZE
+DEV_SIZE = schema.MIN_DEVICE_SIZE
 FILE_MODE = stat.S_IFREG | 0o644
 DIR_MODE = stat.S_IFDIR | 0o755
 
@@ -45,38 +45,36 @@ class Clock:
         return self.t
 
 
-def options(*, cache_size=32 * BS, dirty_limit=16 * BS, read_depth=8, flush_workers=4,
-            write_delay=0.0):
+def options(*, cache_size=32 * BS, dirty_limit=16 * BS, read_depth=8, flush_workers=4):
     return MountOptions(cache_size=cache_size, dirty_limit=dirty_limit, read_depth=read_depth,
-                        flush_workers=flush_workers, write_delay=write_delay)
+                        flush_workers=flush_workers)
 
 
-def open_fs(path, *, now=None, readonly=False, **kw):
-    """Assemble device -> store -> index -> cache -> namespace like the daemon does.
+def slow_writes(seconds):
+    """A fault plan (kvfs/faults.py) that delays every device write by ``seconds``."""
+    return [{"op": "write", "effect": "delay", "seconds": seconds}]
 
-    Without ``now`` this is exactly ``kvfs.daemon.Filesystem.open``. With it the
-    same steps are done here so the namespace (and the root it creates on a
-    fresh filesystem) uses a deterministic clock.
+
+def open_fs(path, *, now=None, readonly=False, faults=None, **kw):
+    """The whole stack over ``path``, built by ``kvfs.stack.Filesystem.open`` as the daemon builds it.
+
+    ``now`` is the namespace's clock (a :class:`Clock` for deterministic
+    timestamps); without it the real clock is used. ``faults`` is a fault
+    plan for the device, handed over the way a test hands it to a daemon
+    ($KVFS_TEST_FAULTS, read once while the device is opened).
     """
-    opts = options(**kw)
-    if now is None:
-        return Filesystem.open(str(path), opts, readonly=readonly)
-    device = Device.open(str(path), readonly=readonly, write_delay=opts.write_delay)
+    saved = os.environ.get(kvfs_faults.ENV)
+    if faults is not None:
+        os.environ[kvfs_faults.ENV] = json.dumps(faults)
     try:
-        store = ExtentStore.open(device)
-        index = BlockIndex(store)
-        cache = BlockCache(index, cache_size=opts.cache_size, dirty_limit=opts.dirty_limit,
-                           read_depth=opts.read_depth, flush_workers=opts.flush_workers)
-        ns = Namespace(cache, store, now=now)
-        ns.load(store.checkpoint_state, store.replay_records)
-        fs = Filesystem(device, store, index, cache, ns)
-        fs.replayed = store.replay_report
-        store.finish_replay()
-        store.set_snapshot_source(ns.snapshot)
-        return fs
-    except BaseException:
-        device.close()
-        raise
+        return Filesystem.open(str(path), options(**kw), readonly=readonly,
+                               now=time.time_ns if now is None else now)
+    finally:
+        if faults is not None:
+            if saved is None:
+                del os.environ[kvfs_faults.ENV]
+            else:
+                os.environ[kvfs_faults.ENV] = saved
 
 
 @contextlib.asynccontextmanager
@@ -93,7 +91,7 @@ async def running(fs, *, commit_interval=None, persist=True):
         yield nursery
         if persist:
             await fs.ns.flush_all()
-            await fs.store.checkpoint()
+            await fs.ns.checkpoint()
         nursery.cancel_scope.cancel()
 
 
@@ -172,7 +170,7 @@ async def read_all(ns, ino, size=None):
 def lookup_path(ns, path):
     ino = ROOT_INO
     for part in path.strip("/").split("/"):
-        ino = ns._dir(ino).entries.get(part.encode())
+        ino = ns.tree.dir(ino).entries.get(part.encode())
         if ino is None:
             return None
     return ino
@@ -184,7 +182,6 @@ async def wait_until(predicate, *, what="condition", limit_s=20.0):
     Device I/O runs in worker threads, so progress is measured in wall-clock
     time even under a mock clock.
     """
-    import time
     deadline = time.monotonic() + limit_s
     while not predicate():
         if time.monotonic() > deadline:

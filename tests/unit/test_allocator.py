@@ -4,7 +4,7 @@ import random
 import pytest
 
 from kvfs.errors import FormatError, NoSpace
-from kvfs.extents import Allocator
+from kvfs.store.allocator import Allocator
 
 from .helpers import mkfs, assert_fsck_clean
 
@@ -149,12 +149,13 @@ def test_random_allocate_free_keeps_an_exact_partition():
 def test_store_allocator_matches_the_data_region(tmp_path):
     """The allocator the store builds from mkfs's checkpoint covers the data region."""
     from kvfs.device import Device
-    from kvfs.extents import ExtentStore
+    from kvfs.store import ExtentStore
     path = mkfs(tmp_path)
     device = Device.open(str(path))
     try:
         store = ExtentStore.open(device)
-        assert store.allocator.extents() == [(store.sb.data_off, store.sb.data_len)]
+        assert store.free_extents() == [(store.sb.data_off, store.sb.data_len)]
+        assert store.free_slots() == store.sb.data_len // store.block_size
         assert store.allocate(1) == store.sb.data_off
     finally:
         device.close()

@@ -6,14 +6,26 @@ import trio
 import trio.testing
 import xxhash
 
-from kvfs.errors import CorruptBlock, FormatError, KvfsError, NoSpace
+from kvfs import schema
+from kvfs.device import Device
+from kvfs.errors import CorruptBlock, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
 from kvfs.namespace import ROOT_INO
+from kvfs.store.loader import load
 
-from .helpers import BS, DIR_MODE, close_and_check, flip_byte, mkfs, open_fs, pattern
+from .helpers import BS, DIR_MODE, close_and_check, flip_byte, mkfs, open_fs, pattern, slow_writes
 
 
 def aligned(n):
     return (n + 4095) // 4096 * 4096
+
+
+def written_checkpoint(path):
+    """The CheckpointState on the device now (read beside the open stack, as fsck would)."""
+    device = Device.open(str(path), readonly=True, lock=False)
+    try:
+        return load(device).state
+    finally:
+        device.close()
 
 
 async def test_content_keys_are_keyed_by_the_filesystem_seed(tmp_path):
@@ -52,13 +64,13 @@ async def test_identical_data_is_written_once(tmp_path):
     assert index.extent(k3)[0] != index.extent(k1)[0]
     # What was written is what reads back (verified).
     assert await index.read_block(k1) == data
-    await fs.store.checkpoint()                      # pinned-only blocks are free in a checkpoint
+    await fs.ns.checkpoint()                      # pinned-only blocks are free in a checkpoint
     close_and_check(fs)
 
 
 async def test_concurrent_stores_of_the_same_block_write_it_once(tmp_path):
     path = mkfs(tmp_path)
-    fs = open_fs(path, write_delay=0.2)              # slow device: both stores overlap
+    fs = open_fs(path, faults=slow_writes(0.2))     # slow device: both stores overlap
     index = fs.index
     data = pattern(4, BS)
     keys = []
@@ -76,7 +88,7 @@ async def test_concurrent_stores_of_the_same_block_write_it_once(tmp_path):
     st = index.statistics()
     assert (st.blocks_written, st.dedup_hits) == (1, 3)
     assert index.entries[keys[0]].pins == 4
-    await fs.store.checkpoint()
+    await fs.ns.checkpoint()
     close_and_check(fs)
 
 
@@ -98,10 +110,15 @@ async def test_corrupt_block_raises_and_never_returns_wrong_bytes(tmp_path):
     with pytest.raises(KvfsError) as info:
         await fs.cache.get(key)
     assert info.value.errno == errno.EIO
-    assert key not in fs.cache._clean
+    st = fs.cache.statistics()
+    assert (st.cache_bytes, st.cache_misses, st.cache_hits) == (0, 1, 0)     # nothing was kept
     flip_byte(path, off + 1234)                       # repaired behind our back: reads work again
     assert await index.read_block(key) == data
-    await fs.store.checkpoint()
+    assert await fs.cache.get(key) == data            # a miss again: the bad bytes were never cached
+    assert await fs.cache.get(key) == data            # now a hit
+    st = fs.cache.statistics()
+    assert (st.cache_bytes, st.cache_misses, st.cache_hits) == (BS, 2, 1)
+    await fs.ns.checkpoint()
     close_and_check(fs)
 
 
@@ -112,9 +129,9 @@ async def test_short_blocks_use_aligned_space(tmp_path):
     key = await index.store_block(pattern(6, 5000))
     assert index.extent(key)[1] == 5000
     assert index.statistics().used_bytes == 8192
-    assert fs.store.allocator.free_bytes == fs.store.sb.data_len - 8192
+    assert fs.store.statistics().free_bytes == fs.store.sb.data_len - 8192
     assert await index.read_block(key) == pattern(6, 5000)
-    await fs.store.checkpoint()
+    await fs.ns.checkpoint()
     close_and_check(fs)
 
 
@@ -132,22 +149,32 @@ async def test_refs_and_pins_keep_a_block_until_both_are_gone(tmp_path):
     index.drop_ref(key)
     assert key in index.entries and store.pending_free_bytes == 0
     # While referenced by durable content, a checkpoint lists it with its refs.
-    snap = fs.ns.snapshot()
-    assert snap["blocks"] == [(key, off, length, 1)]
-    assert all(not (s <= off < s + n) for s, n in snap["free"])
+    blocks, transient = index.snapshot()
+    assert blocks == [schema.BlockRow(key=key, off=off, length=length, refs=1)]
+    assert transient == []
+    await fs.ns.checkpoint()
+    state = written_checkpoint(path)
+    assert state.blocks == [schema.BlockRow(key=key, off=off, length=length, refs=1)]
+    assert all(not (s <= off < s + n) for s, n in state.free)
     index.pin(key)
     index.drop_ref(key)
     assert key in index.entries                        # still pinned
-    assert fs.ns.snapshot()["blocks"] == []            # ... but no longer durable: free in checkpoints
+    blocks, transient = index.snapshot()               # ... but no longer durable: free in checkpoints
+    assert blocks == [] and transient == [(off, length)]
+    await fs.ns.checkpoint()
+    state = written_checkpoint(path)
+    assert state.blocks == []
+    assert any(s <= off and off + aligned(length) <= s + n for s, n in state.free)
+    assert key in index.entries and all(not (s <= off < s + n) for s, n in store.free_extents())
     index.unpin(key)
     assert key not in index.entries
     assert index.statistics().used_bytes == 0
     assert store.pending_free_bytes == aligned(length)     # freed, once a record makes it durable
     fs.ns.make(ROOT_INO, b"x", DIR_MODE, 0, 0)
-    await store.commit()
+    await fs.ns.commit()
     assert store.pending_free_bytes == 0
-    assert store.allocator.free_bytes == store.sb.data_len
-    await store.checkpoint()
+    assert store.statistics().free_bytes == store.sb.data_len
+    await fs.ns.checkpoint()
     close_and_check(fs)
 
 
@@ -161,11 +188,12 @@ async def test_replayed_content_record_allocates_its_extent(tmp_path):
     off = store.sb.data_off + 10 * BS
     index.add_ref(key, off, BS)
     assert index.entries[key].refs == 1
-    assert all(not (s <= off < s + n) for s, n in store.allocator.extents())
+    assert all(not (s <= off < s + n) for s, n in store.free_extents())
     with pytest.raises(FormatError, match="referenced twice"):
         index.add_ref(b"j" * 16, off, BS)             # a second key at the same extent
     index.drop_ref(key)                                # replay frees at once
-    assert store.allocator.free_bytes == store.sb.data_len
+    assert store.statistics().free_bytes == store.sb.data_len
+    assert store.free_extents() == [(store.sb.data_off, store.sb.data_len)]
     store.replaying = False
     close_and_check(fs)
 
@@ -174,7 +202,8 @@ async def test_reserve_refuses_what_is_not_there(tmp_path):
     path = mkfs(tmp_path)
     fs = open_fs(path)
     index, store = fs.index, fs.store
-    total = store.allocator.free_bytes
+    total = store.statistics().free_bytes
+    assert store.free_slots() * BS == total == index.available_bytes()
     await index.reserve(total - BS)
     assert index.available_bytes() == BS
     await index.reserve(BS)
@@ -192,8 +221,8 @@ async def test_reserve_gets_space_freed_by_unpinned_blocks(tmp_path):
     fs = open_fs(path)
     index, store = fs.index, fs.store
     fs.ns.make(ROOT_INO, b"dir", DIR_MODE, 0, 0)
-    await store.commit()                              # nothing is pending from here on
-    filler = store.allocate(store.allocator.free_bytes - 2 * BS)
+    await fs.ns.commit()                              # nothing is pending from here on
+    filler = store.allocate(store.statistics().free_bytes - 2 * BS)
     k1 = await index.store_block(pattern(10, BS))     # e.g. flushed blocks of a file still open
     k2 = await index.store_block(pattern(11, BS))
     with pytest.raises(NoSpace):
@@ -202,14 +231,25 @@ async def test_reserve_gets_space_freed_by_unpinned_blocks(tmp_path):
     index.unpin(k1)
     assert store.pending_free_bytes == BS
     assert store.statistics().records_pending == 0
-    # No durable record names k1's extent, so the space is free: reserve must find it.
+    # No durable record names k1's extent, so the space is free once a commit
+    # says so. The index does not commit itself (it never calls up): it says that
+    # space awaits a commit, the namespace commits (here: no record, nothing
+    # written), and the retried reservation finds the space.
+    with pytest.raises(SpaceAwaitsCommit) as info:
+        await index.reserve(BS)
+    assert isinstance(info.value, NoSpace) and info.value.errno == errno.ENOSPC
+    assert index.statistics().reserved_bytes == 0
+    commits = store.statistics().commits
+    await fs.ns.commit()
+    assert store.statistics().commits == commits       # no frame was needed
+    assert store.pending_free_bytes == 0
     await index.reserve(BS)
     index.unreserve(BS)
-    assert store.allocator.free_bytes == BS
+    assert store.statistics().free_bytes == BS
     index.unpin(k2)
     store.free(filler, store.sb.data_len - 2 * BS)
     fs.ns.make(ROOT_INO, b"dir2", DIR_MODE, 0, 0)
-    await store.commit()
-    assert store.allocator.free_bytes == store.sb.data_len
-    await store.checkpoint()
+    await fs.ns.commit()
+    assert store.statistics().free_bytes == store.sb.data_len
+    await fs.ns.checkpoint()
     close_and_check(fs)

@@ -1,40 +1,40 @@
-"""The on-disk format: struct layouts, superblock encode/decode and its errors."""
+"""The on-disk format (kvfs.schema.layout): struct layouts, superblock encode/decode and its errors."""
 import os
 import struct
 
 import pytest
 import xxhash
 
-from kvfs import format as fmt
-from kvfs import fsck
-from kvfs.cli.mkfs import make_filesystem
+from kvfs import fsck, schema
 from kvfs.device import Device
 from kvfs.errors import FormatError, KvfsError
-from kvfs.extents import ExtentStore, read_superblock
+from kvfs.store import ExtentStore, read_superblock
+from kvfs.store.loader import FIRST_INO
+from kvfs.store.mkfs import make_filesystem
 
 from .helpers import BS, DEV_SIZE, assert_fsck_clean, flip_byte, mkfs, peek, poke
 
 
 def test_struct_sizes():
-    assert fmt.SUPERBLOCK.size == 120
-    assert fmt.SUPERBLOCK_CHECKED.size == 128
-    assert fmt.CHECKPOINT_HEADER.size == 40
-    assert fmt.JOURNAL_FRAME.size == 48
-    assert len(fmt.Superblock.FIELDS) == len(fmt.SUPERBLOCK.unpack(bytes(fmt.SUPERBLOCK.size)))
-    assert fmt.SECTOR == 4096
+    assert schema.SUPERBLOCK.size == 120
+    assert schema.SUPERBLOCK_CHECKED.size == 128
+    assert schema.CHECKPOINT_HEADER.size == 40
+    assert schema.JOURNAL_FRAME.size == 48
+    assert len(schema.Superblock.FIELDS) == len(schema.SUPERBLOCK.unpack(bytes(schema.SUPERBLOCK.size)))
+    assert schema.SECTOR == 4096
 
 
 def test_superblock_roundtrip_and_layout():
-    sb = fmt.Superblock.create(DEV_SIZE, BS, now_ns=123)
+    sb = schema.Superblock.create(DEV_SIZE, BS, now_ns=123)
     sector = sb.encode()
-    assert len(sector) == fmt.SECTOR
-    assert sector[:8] == fmt.MAGIC_SUPERBLOCK
-    assert not any(sector[fmt.SUPERBLOCK_CHECKED.size:])          # rest of the sector is zero
-    back = fmt.Superblock.decode(sector)
-    for name in fmt.Superblock.FIELDS:
+    assert len(sector) == schema.SECTOR
+    assert sector[:8] == schema.MAGIC_SUPERBLOCK
+    assert not any(sector[schema.SUPERBLOCK_CHECKED.size:])          # rest of the sector is zero
+    back = schema.Superblock.decode(sector)
+    for name in schema.Superblock.FIELDS:
         assert getattr(back, name) == getattr(sb, name), name
     # Regions are in order, aligned, non-overlapping and inside the device.
-    assert sb.checkpoint_a_off == 2 * fmt.SECTOR
+    assert sb.checkpoint_a_off == 2 * schema.SECTOR
     assert sb.checkpoint_b_off == sb.checkpoint_a_off + sb.checkpoint_len
     assert sb.journal_off == sb.checkpoint_b_off + sb.checkpoint_len
     assert sb.data_off >= sb.journal_off + sb.journal_len
@@ -42,98 +42,102 @@ def test_superblock_roundtrip_and_layout():
     assert sb.data_off + sb.data_len <= DEV_SIZE
     assert sb.checkpoint_len > 0 and sb.journal_len > 0 and sb.data_len > 0
     # Two filesystems get different identities and hash keys.
-    other = fmt.Superblock.create(DEV_SIZE, BS)
+    other = schema.Superblock.create(DEV_SIZE, BS)
     assert other.uuid != sb.uuid and other.hash_seed != sb.hash_seed
 
 
 def test_superblock_create_rejects_bad_parameters():
     with pytest.raises(FormatError, match="power of two"):
-        fmt.Superblock.create(DEV_SIZE, 3 * BS)
+        schema.Superblock.create(DEV_SIZE, 3 * BS)
     with pytest.raises(FormatError, match="power of two"):
-        fmt.Superblock.create(DEV_SIZE, fmt.MIN_BLOCK_SIZE // 2)
+        schema.Superblock.create(DEV_SIZE, schema.MIN_BLOCK_SIZE // 2)
     with pytest.raises(FormatError, match="power of two"):
-        fmt.Superblock.create(DEV_SIZE, fmt.MAX_BLOCK_SIZE * 2)
+        schema.Superblock.create(DEV_SIZE, schema.MAX_BLOCK_SIZE * 2)
     with pytest.raises(FormatError, match="device too small"):
-        fmt.Superblock.create(DEV_SIZE - fmt.SECTOR, BS)
+        schema.Superblock.create(DEV_SIZE - schema.SECTOR, BS)
 
 
 def test_decode_errors():
-    sb = fmt.Superblock.create(DEV_SIZE, BS)
+    sb = schema.Superblock.create(DEV_SIZE, BS)
     good = sb.encode()
     with pytest.raises(FormatError, match="truncated"):
-        fmt.Superblock.decode(good[:100])
+        schema.Superblock.decode(good[:100])
     with pytest.raises(FormatError, match="zero-filled"):
-        fmt.Superblock.decode(bytes(fmt.SECTOR))
+        schema.Superblock.decode(bytes(schema.SECTOR))
     with pytest.raises(FormatError, match="bad magic"):
-        fmt.Superblock.decode(b"EXT4SUPR" + good[8:])
+        schema.Superblock.decode(b"EXT4SUPR" + good[8:])
     # One flipped bit anywhere in the checked body is caught by the checksum.
     for pos in (8, 40, 100, 119, 120):
         bad = bytearray(good)
         bad[pos] ^= 0x01
         with pytest.raises(FormatError, match="checksum mismatch"):
-            fmt.Superblock.decode(bytes(bad))
+            schema.Superblock.decode(bytes(bad))
     # A correctly checksummed superblock of another version is refused by name.
-    sb.version = fmt.FORMAT_VERSION + 1
-    with pytest.raises(FormatError, match=f"unsupported kvfs format version {fmt.FORMAT_VERSION + 1}"):
-        fmt.Superblock.decode(sb.encode())
-    sb.version = fmt.FORMAT_VERSION
+    sb.version = schema.FORMAT_VERSION + 1
+    with pytest.raises(FormatError, match=f"unsupported kvfs format version {schema.FORMAT_VERSION + 1}"):
+        schema.Superblock.decode(sb.encode())
+    sb.version = schema.FORMAT_VERSION
     # Checksummed but inconsistent layouts are refused.
     sb.data_len = DEV_SIZE
     with pytest.raises(FormatError, match="exceeds the device size"):
-        fmt.Superblock.decode(sb.encode())
-    sb = fmt.Superblock.create(DEV_SIZE, BS)
+        schema.Superblock.decode(sb.encode())
+    sb = schema.Superblock.create(DEV_SIZE, BS)
     sb.journal_off = sb.checkpoint_b_off          # journal overlaps slot B
     with pytest.raises(FormatError, match="inconsistent"):
-        fmt.Superblock.decode(sb.encode())
-    sb = fmt.Superblock.create(DEV_SIZE, BS)
+        schema.Superblock.decode(sb.encode())
+    sb = schema.Superblock.create(DEV_SIZE, BS)
     sb.block_size = BS + 1
     with pytest.raises(FormatError, match="block size is invalid"):
-        fmt.Superblock.decode(sb.encode())
+        schema.Superblock.decode(sb.encode())
     assert FormatError("x").errno == 117           # EUCLEAN
 
 
 def test_checkpoint_header_and_journal_frame_codecs():
     seed = 0x1234_5678_9ABC_DEF0
     payload = b"state" * 100
-    sector = fmt.encode_checkpoint_header(7, payload, seed)
-    assert len(sector) == fmt.SECTOR
-    assert fmt.decode_checkpoint_header(sector, 1 << 20, seed) == \
+    sector = schema.encode_checkpoint_header(7, payload, seed)
+    assert len(sector) == schema.SECTOR
+    assert schema.decode_checkpoint_header(sector, 1 << 20, seed) == \
         (7, len(payload), xxhash.xxh64_intdigest(payload, seed))
-    assert fmt.decode_checkpoint_header(sector, fmt.SECTOR + len(payload) - 1, seed) is None  # overruns the slot
-    assert fmt.decode_checkpoint_header(bytes(fmt.SECTOR), 1 << 20, seed) is None
-    assert fmt.decode_checkpoint_header(sector, 1 << 20, seed + 1) is None     # another filesystem's
+    assert schema.decode_checkpoint_header(sector, schema.SECTOR + len(payload) - 1, seed) is None  # overruns the slot
+    assert schema.decode_checkpoint_header(bytes(schema.SECTOR), 1 << 20, seed) is None
+    assert schema.decode_checkpoint_header(sector, 1 << 20, seed + 1) is None     # another filesystem's
     bad = bytearray(sector)
     bad[9] ^= 1                                       # generation bit: header hash no longer matches
-    assert fmt.decode_checkpoint_header(bytes(bad), 1 << 20, seed) is None
+    assert schema.decode_checkpoint_header(bytes(bad), 1 << 20, seed) is None
 
-    frame = fmt.encode_journal_frame(3, 5, payload, seed)
-    assert len(frame) % fmt.SECTOR == 0
-    assert len(frame) == fmt.frame_size(len(payload))
-    assert fmt.decode_journal_header(frame, seed) == (3, 5, len(payload), xxhash.xxh64_intdigest(payload, seed))
-    assert frame[fmt.JOURNAL_FRAME.size:fmt.JOURNAL_FRAME.size + len(payload)] == payload
-    assert fmt.decode_journal_header(frame[:47], seed) is None
-    assert fmt.decode_journal_header(bytes(fmt.SECTOR), seed) is None
-    assert fmt.decode_journal_header(frame, seed ^ 1) is None                 # left by an earlier mkfs
+    frame = schema.encode_journal_frame(3, 5, payload, seed)
+    assert len(frame) % schema.SECTOR == 0
+    assert len(frame) == schema.frame_size(len(payload))
+    assert schema.decode_journal_header(frame, seed) == (3, 5, len(payload), xxhash.xxh64_intdigest(payload, seed))
+    assert frame[schema.JOURNAL_FRAME.size:schema.JOURNAL_FRAME.size + len(payload)] == payload
+    assert schema.decode_journal_header(frame[:47], seed) is None
+    assert schema.decode_journal_header(bytes(schema.SECTOR), seed) is None
+    assert schema.decode_journal_header(frame, seed ^ 1) is None                 # left by an earlier mkfs
     bad = bytearray(frame)
     bad[20] ^= 1                                      # seq bit
-    assert fmt.decode_journal_header(bytes(bad), seed) is None
-    assert fmt.frame_size(0) == fmt.SECTOR
-    assert fmt.frame_size(fmt.SECTOR - fmt.JOURNAL_FRAME.size + 1) == 2 * fmt.SECTOR
+    assert schema.decode_journal_header(bytes(bad), seed) is None
+    assert schema.frame_size(0) == schema.SECTOR
+    assert schema.frame_size(schema.SECTOR - schema.JOURNAL_FRAME.size + 1) == 2 * schema.SECTOR
 
 
 def test_mkfs_writes_both_superblocks_and_an_empty_checkpoint(tmp_path):
     path = mkfs(tmp_path)
-    head = peek(path, 0, 2 * fmt.SECTOR)
-    assert head[:fmt.SECTOR] == head[fmt.SECTOR:]
-    sb = fmt.Superblock.decode(head[:fmt.SECTOR])
+    head = peek(path, 0, 2 * schema.SECTOR)
+    assert head[:schema.SECTOR] == head[schema.SECTOR:]
+    sb = schema.Superblock.decode(head[:schema.SECTOR])
     assert sb.block_size == BS and sb.device_size == DEV_SIZE
     device = Device.open(str(path))
     try:
         store = ExtentStore.open(device)
         assert store.generation == 1
-        assert store.checkpoint_state == {}
-        assert store.replay_records == []
-        assert store.allocator.free_bytes == sb.data_len      # everything is free
+        # mkfs writes an empty map: every field takes its default, "free" is absent.
+        state = store.loaded.state
+        assert state == schema.CheckpointState(next_ino=FIRST_INO, inodes=[], blocks=[], free=None,
+                                               provisional=[])
+        assert store.loaded.records == []
+        assert store.free_extents() == [(sb.data_off, sb.data_len)]      # everything is free
+        assert store.statistics().free_bytes == sb.data_len
     finally:
         device.close()
     assert_fsck_clean(path)
@@ -190,27 +194,27 @@ def test_corrupt_primary_superblock_names_the_intact_backup(tmp_path):
         fsck.check(str(path))
     report = fsck.check(str(path), repair=True)
     assert any("restored it from the backup" in r for r in report.repairs)
-    head = peek(path, 0, 2 * fmt.SECTOR)
-    assert head[:fmt.SECTOR] == head[fmt.SECTOR:]
+    head = peek(path, 0, 2 * schema.SECTOR)
+    assert head[:schema.SECTOR] == head[schema.SECTOR:]
     assert_fsck_clean(path)
 
 
 def test_both_superblocks_corrupt_reports_the_primary_error_only(tmp_path):
     path = mkfs(tmp_path)
     flip_byte(path, 50)
-    flip_byte(path, fmt.SECTOR + 50)
+    flip_byte(path, schema.SECTOR + 50)
     msg = _open_error(path)
     assert "checksum mismatch" in msg and "backup" not in msg
     with pytest.raises(FormatError, match="checksum mismatch"):
         fsck.check(str(path), repair=True)              # nothing to restore from
-    flip_byte(path, fmt.SECTOR + 50)                    # the backup comes back ...
+    flip_byte(path, schema.SECTOR + 50)                    # the backup comes back ...
     fsck.check(str(path), repair=True)                  # ... and repair restores the primary from it
     assert_fsck_clean(path)
 
 
 def test_differing_backup_superblock_is_a_problem_and_repairable(tmp_path):
     path = mkfs(tmp_path)
-    flip_byte(path, fmt.SECTOR + 50)                   # the backup only: mount still works
+    flip_byte(path, schema.SECTOR + 50)                   # the backup only: mount still works
     device = Device.open(str(path))
     try:
         read_superblock(device)
@@ -224,10 +228,10 @@ def test_differing_backup_superblock_is_a_problem_and_repairable(tmp_path):
 
 def test_truncated_device(tmp_path):
     path = mkfs(tmp_path, size=DEV_SIZE * 2)
-    os.truncate(path, DEV_SIZE + 8 * fmt.SECTOR)       # still big enough to be a kvfs
+    os.truncate(path, DEV_SIZE + 8 * schema.SECTOR)       # still big enough to be a kvfs
     msg = _open_error(path)
     assert "the device is truncated" in msg and str(DEV_SIZE * 2) in msg
-    os.truncate(path, DEV_SIZE - fmt.SECTOR)           # below the minimum size
+    os.truncate(path, DEV_SIZE - schema.SECTOR)           # below the minimum size
     assert "too small to hold kvfs" in _open_error(path)
     os.truncate(path, DEV_SIZE * 2)                    # growing it back restores the filesystem
     assert_fsck_clean(path)
@@ -235,10 +239,10 @@ def test_truncated_device(tmp_path):
 
 def test_superblock_fields_are_little_endian_at_documented_offsets(tmp_path):
     path = mkfs(tmp_path)
-    raw = peek(path, 0, fmt.SUPERBLOCK_CHECKED.size)
-    sb = fmt.Superblock.decode(raw.ljust(fmt.SECTOR, b"\0"))
-    assert struct.unpack_from("<I", raw, 8)[0] == fmt.FORMAT_VERSION
-    assert struct.unpack_from("<I", raw, 12)[0] == fmt.SECTOR
+    raw = peek(path, 0, schema.SUPERBLOCK_CHECKED.size)
+    sb = schema.Superblock.decode(raw.ljust(schema.SECTOR, b"\0"))
+    assert struct.unpack_from("<I", raw, 8)[0] == schema.FORMAT_VERSION
+    assert struct.unpack_from("<I", raw, 12)[0] == schema.SECTOR
     assert raw[16:32] == sb.uuid
     assert struct.unpack_from("<I", raw, 32)[0] == BS
     assert struct.unpack_from("<Q", raw, 48)[0] == DEV_SIZE

@@ -5,13 +5,15 @@ checkpoint written from a deliberately inconsistent state), runs the checker,
 repairs, and ends with a clean check. These are synchronous tests because
 ``fsck.check(repair=True)`` runs its own trio loop.
 """
+import dataclasses
+import errno
 import hashlib
 
 import pytest
 import trio
 
 from kvfs import fsck
-from kvfs.errors import DeviceError
+from kvfs.errors import Busy
 from kvfs.namespace import ROOT_INO
 
 from .helpers import (BS, DIR_MODE, assert_fsck_clean, close_and_check, flip_byte, lookup_path, mkfs,
@@ -33,11 +35,12 @@ async def populate(path):
         ns.link(a, d, b"a-link")
         b = await write_file(ns, ROOT_INO, b"b", pattern(2, BS))
         c = await write_file(ns, ROOT_INO, b"c", pattern(2, BS))
-        info = {"a": list(ns.inodes[a].committed), "b": list(ns.inodes[b].committed),
-                "extent": {k: fs.index.extent(k) for k in ns.inodes[a].committed + ns.inodes[b].committed}}
-        assert ns.inodes[b].committed == ns.inodes[c].committed          # deduplicated
+        inodes = ns.tree.inodes
+        info = {"a": list(inodes[a].committed), "b": list(inodes[b].committed),
+                "extent": {k: fs.index.extent(k) for k in inodes[a].committed + inodes[b].committed}}
+        assert inodes[b].committed == inodes[c].committed          # deduplicated
         for ino in (d, a, b, c):
-            ns.forget(ino, ns.inodes[ino].lookups)
+            ns.forget(ino, inodes[ino].lookups)
     fs.close()
     return info
 
@@ -81,7 +84,7 @@ def test_flipped_byte_in_a_block_is_found_and_repair_removes_the_file(tmp_path):
         assert await read_all(ns, lookup_path(ns, "c")) == pattern(2, BS)
         # Only the b/c block remains; every extent of /a went back to free space.
         assert set(fs.index.entries) == set(info["b"])
-        assert fs.store.allocator.free_bytes == fs.store.sb.data_len - BS
+        assert fs.store.statistics().free_bytes == fs.store.sb.data_len - BS
         # The repaired store is fully usable: the damaged block's content can be stored again.
         async with running(fs):
             await write_file(ns, ROOT_INO, b"a", pattern(1, 2 * BS + 100))
@@ -112,15 +115,22 @@ def test_corrupt_shared_block_removes_every_file_naming_it(tmp_path):
 def test_no_data_check_skips_block_verification(tmp_path):
     path = mkfs(tmp_path)
     info = trio.run(populate, path)
-    flip_byte(path, info["extent"][info["a"][0]][0] + 5)
+    off, _ = info["extent"][info["a"][0]]
+    flip_byte(path, off + 5)
     assert fsck.check(str(path), verify_data=False).clean
     assert not fsck.check(str(path)).clean
-    flip_byte(path, info["extent"][info["a"][0]][0] + 5)
+    flip_byte(path, off + 5)
     assert_fsck_clean(path)
 
 
 async def write_inconsistent_checkpoint(path, mutate):
-    """Populate, then write a checkpoint of a deliberately inconsistent state."""
+    """Populate, then write a checkpoint of a deliberately inconsistent state.
+
+    The state is the real one, as the namespace and the block index hand it to
+    the store (``schema.CheckpointState``); ``mutate(state, fs)`` edits its rows
+    by field name and may return extents the checkpoint's free map must also
+    list (the store's ``transient`` argument: extents only RAM knows about).
+    """
     fs = open_fs(path)
     async with running(fs, persist=False):
         ns = fs.ns
@@ -130,19 +140,17 @@ async def write_inconsistent_checkpoint(path, mutate):
         for ino in (d, f, g):
             ns.forget(ino, 1)
         await ns.flush_all()
-        state = fs.ns.snapshot()
-        mutate(state, fs)
-        fs.store.set_snapshot_source(lambda: state)
-        await fs.store.checkpoint()
+        assert fs.store.statistics().records_pending == 0 and fs.store.pending_free_bytes == 0
+        blocks, transient = fs.index.snapshot()
+        state = dataclasses.replace(ns.tree.snapshot(), blocks=blocks)
+        extra_free = mutate(state, fs) or []
+        await fs.store.checkpoint(state, [*transient, *extra_free])
     fs.close()
 
 
 def rows(state):
-    return {row[0]: list(row) for row in state["inodes"]}
-
-
-def set_rows(state, by_ino):
-    state["inodes"] = [tuple(r) for r in by_ino.values()]
+    """The checkpoint's InodeRows by inode number (editing one edits the state)."""
+    return {row.ino: row for row in state.inodes}
 
 
 def repair_and_expect_clean(path, *expected):
@@ -158,16 +166,14 @@ def test_leaked_extent_is_found_and_returned_to_free_space(tmp_path):
     path = mkfs(tmp_path)
 
     def leak(state, fs):
-        off = fs.store.allocate(3 * BS)          # allocated, named by nothing
-        state["free"] = fs.store.allocator.extents()
-        leak.off = off
+        leak.off = fs.store.allocate(3 * BS)     # allocated, named by nothing: not in the free map
     trio.run(write_inconsistent_checkpoint, path, leak)
     repair_and_expect_clean(path, f"{3 * BS} bytes at {leak.off} are neither used nor free (leaked)")
 
     async def after():
         fs = open_fs(path)
         used = fs.index.statistics().used_bytes
-        assert fs.store.allocator.free_bytes == fs.store.sb.data_len - used
+        assert fs.store.statistics().free_bytes == fs.store.sb.data_len - used
         assert await read_all(fs.ns, lookup_path(fs.ns, "d/f")) == pattern(3, 2 * BS)
         close_and_check(fs)
     trio.run(after)
@@ -177,8 +183,7 @@ def test_overlapping_free_and_used_extents_are_repaired(tmp_path):
     path = mkfs(tmp_path)
 
     def overlap(state, fs):
-        key, off, length, refs = state["blocks"][0]
-        state["free"] = sorted(state["free"] + [(off, 4096)])   # a used block also listed free
+        return [(state.blocks[0].off, 4096)]                    # a used block also listed free
     trio.run(write_inconsistent_checkpoint, path, overlap)
     repair_and_expect_clean(path, "overlaps the previous one")
 
@@ -187,9 +192,10 @@ def test_wrong_reference_count_is_recomputed(tmp_path):
     path = mkfs(tmp_path)
 
     def bump(state, fs):
-        key, off, length, refs = state["blocks"][0]
-        state["blocks"][0] = (key, off, length, refs + 2)
-        bump.key = key
+        block = state.blocks[0]
+        assert block.refs == 1
+        state.blocks[0] = dataclasses.replace(block, refs=block.refs + 2)
+        bump.key = block.key
     trio.run(write_inconsistent_checkpoint, path, bump)
     repair_and_expect_clean(path, f"block {bump.key.hex()}: reference count 3, files name it 1 times")
 
@@ -206,10 +212,11 @@ def test_wrong_link_counts_are_recomputed(tmp_path):
 
     def links(state, fs):
         by_ino = rows(state)
-        by_ino[ROOT_INO][4] = 7                           # root: 2 + one subdirectory = 3
+        assert by_ino[ROOT_INO].nlink == 3                # root: 2 + one subdirectory
+        by_ino[ROOT_INO].nlink = 7
         f = lookup_path(fs.ns, "d/f")
-        by_ino[f][4] = 2                                  # one name only
-        set_rows(state, by_ino)
+        assert by_ino[f].nlink == 1                       # one name only
+        by_ino[f].nlink = 2
     trio.run(write_inconsistent_checkpoint, path, links)
     repair_and_expect_clean(path, "/: link count 7, expected 3", "/d/f: link count 2, expected 1")
 
@@ -221,15 +228,15 @@ def test_unreachable_inode_is_dropped(tmp_path):
         by_ino = rows(state)
         d = lookup_path(fs.ns, "d")
         detach.f = lookup_path(fs.ns, "d/f")
-        detach.keys = list(fs.ns.inodes[detach.f].committed)
-        by_ino[d][9] = [by_ino[d][9][0], []]              # d no longer lists f
-        set_rows(state, by_ino)
+        detach.keys = list(fs.ns.tree.inodes[detach.f].committed)
+        assert by_ino[d].entries == [(b"f", detach.f)]
+        by_ino[d].payload = [by_ino[d].parent, []]        # d no longer lists f
     trio.run(write_inconsistent_checkpoint, path, detach)
     repair_and_expect_clean(path, f"inode {detach.f} is not reachable from the root")
 
     async def after():
         fs = open_fs(path)
-        assert detach.f not in fs.ns.inodes
+        assert detach.f not in fs.ns.tree.inodes
         assert all(k not in fs.index.entries for k in detach.keys)      # its blocks were freed
         assert await read_all(fs.ns, lookup_path(fs.ns, "g")) == pattern(4, BS)
         close_and_check(fs)
@@ -237,11 +244,8 @@ def test_unreachable_inode_is_dropped(tmp_path):
 
 
 def _add_ghost(state, fs):
-    by_ino = rows(state)
-    d = lookup_path(fs.ns, "d")
-    parent, entries = by_ino[d][9]
-    by_ino[d][9] = [parent, list(entries) + [(b"ghost", 999)]]
-    set_rows(state, by_ino)
+    row = rows(state)[lookup_path(fs.ns, "d")]
+    row.payload = [row.parent, [*row.entries, (b"ghost", 999)]]
 
 
 def test_dangling_entry_is_reported_by_a_plain_check(tmp_path):
@@ -271,10 +275,9 @@ def test_file_naming_a_missing_block_is_removed(tmp_path):
 
     def drop(state, fs):
         f = lookup_path(fs.ns, "d/f")
-        key = fs.ns.inodes[f].committed[0]
-        state["blocks"] = [b for b in state["blocks"] if b[0] != key]
-        off, length = fs.index.extent(key)
-        state["free"] = sorted(state["free"] + [(off, length)])
+        key = fs.ns.tree.inodes[f].committed[0]
+        state.blocks = [b for b in state.blocks if b.key != key]
+        return [fs.index.extent(key)]                    # its extent is listed free
     trio.run(write_inconsistent_checkpoint, path, drop)
     repair_and_expect_clean(path, "/d/f: has missing blocks")
 
@@ -293,8 +296,9 @@ def test_check_refuses_a_mounted_store(tmp_path):
     async def held():
         fs = open_fs(path)
         try:
-            with pytest.raises(DeviceError, match="in use"):
+            with pytest.raises(Busy, match="in use") as info:
                 fsck.check(str(path))
+            assert info.value.errno == errno.EBUSY
         finally:
             fs.close()
     trio.run(held)

@@ -1,16 +1,22 @@
 """Namespace: names, links, renames, readdir cookies, replay equivalence, open files, upkeep."""
+import dataclasses
 import errno
 import os
+import shutil
 import stat
 
+import msgpack
 import pytest
 import trio
 
+from kvfs.device import Device
 from kvfs.errors import FsError
 from kvfs.namespace import (BY_HASH_INO, META_DIR_INO, META_NAME, ROOT_INO, VIEW_BIT, DirEntries)
+from kvfs.store import ExtentStore
+from kvfs.store.loader import load
 
 from .helpers import (BS, DIR_MODE, FILE_MODE, Clock, close_and_check, lookup_path, mkfs, open_fs,
-                      pattern, read_all, running, wait_until, write_file)
+                      pattern, read_all, running, slow_writes, wait_until, write_file)
 
 LNK_MODE = stat.S_IFLNK | 0o777
 
@@ -23,18 +29,18 @@ def check_tree(ns):
     """The invariants fsck checks, asserted live: entries, reachability, link counts, parents."""
     links, subdirs, seen, todo = {}, {}, {ROOT_INO}, [ROOT_INO]
     while todo:
-        d = ns.inodes[todo.pop()]
+        d = ns.tree.inodes[todo.pop()]
         for name, (child, _) in d.entries.by_name.items():
-            assert child in ns.inodes, (d.ino, name)
+            assert child in ns.tree.inodes, (d.ino, name)
             links[child] = links.get(child, 0) + 1
-            node = ns.inodes[child]
+            node = ns.tree.inodes[child]
             if node.is_dir:
                 assert node.parent == d.ino
                 subdirs[d.ino] = subdirs.get(d.ino, 0) + 1
                 assert child not in seen
                 seen.add(child)
                 todo.append(child)
-    for ino, inode in ns.inodes.items():
+    for ino, inode in ns.tree.inodes.items():
         if inode.is_dir:
             assert inode.nlink == 2 + subdirs.get(ino, 0), ino
             assert ino in seen
@@ -50,14 +56,14 @@ async def test_make_link_unlink_and_their_errors(tmp_path):
         d = ns.make(ROOT_INO, b"dir", DIR_MODE, 1, 2)
         f = await write_file(ns, d, b"file", pattern(1, 1000))
         s = ns.make(d, b"sym", LNK_MODE, 0, 0, target=b"file")
-        assert ns.lookup(d, b"file") == f and ns.inodes[f].lookups == 2
-        assert ns.inodes[d].nlink == 2 and ns.inodes[ROOT_INO].nlink == 3
-        assert (ns.inodes[d].uid, ns.inodes[d].gid) == (1, 2)
-        assert ns.inodes[s].target == b"file" and ns.inodes[s].size == 4
-        assert ns.next_ino == 19
+        assert ns.lookup(d, b"file") == f and ns.tree.inodes[f].lookups == 2
+        assert ns.tree.inodes[d].nlink == 2 and ns.tree.inodes[ROOT_INO].nlink == 3
+        assert (ns.tree.inodes[d].uid, ns.tree.inodes[d].gid) == (1, 2)
+        assert ns.tree.inodes[s].target == b"file" and ns.tree.inodes[s].size == 4
+        assert ns.tree.next_ino == 19
         # link
         assert ns.link(f, ROOT_INO, b"hard") == f
-        assert ns.inodes[f].nlink == 2
+        assert ns.tree.inodes[f].nlink == 2
         with pytest.raises(FsError) as e:
             ns.link(d, ROOT_INO, b"dirlink")
         assert err(e) == errno.EPERM
@@ -75,9 +81,9 @@ async def test_make_link_unlink_and_their_errors(tmp_path):
         assert err(e) == errno.EEXIST
         # FIFOs and device nodes are metadata-only inodes; an unknown type is EINVAL.
         fifo = ns.make(ROOT_INO, b"fifo", stat.S_IFIFO | 0o644, 0, 0)
-        assert stat.S_ISFIFO(ns.inodes[fifo].mode) and ns.inodes[fifo].size == 0
+        assert stat.S_ISFIFO(ns.tree.inodes[fifo].mode) and ns.tree.inodes[fifo].size == 0
         chardev = ns.make(ROOT_INO, b"null", stat.S_IFCHR | 0o666, 0, 0, rdev=os.makedev(1, 3))
-        assert ns.inodes[chardev].rdev == os.makedev(1, 3)
+        assert ns.tree.inodes[chardev].rdev == os.makedev(1, 3)
         with pytest.raises(FsError) as e:
             ns.make(ROOT_INO, b"odd", 0o170000 | 0o644, 0, 0)
         assert err(e) == errno.EINVAL
@@ -98,17 +104,17 @@ async def test_make_link_unlink_and_their_errors(tmp_path):
             assert err(e) == code, name
         # unlink one of two names: the file lives on under the other
         ns.unlink(d, b"file", directory=False)
-        assert ns.inodes[f].nlink == 1
+        assert ns.tree.inodes[f].nlink == 1
         assert await read_all(ns, f) == pattern(1, 1000)
         with pytest.raises(FsError) as e:
             ns.lookup(d, b"file")
         assert err(e) == errno.ENOENT
         ns.unlink(d, b"sym", directory=False)
         ns.unlink(ROOT_INO, b"dir", directory=True)
-        assert ns.inodes[ROOT_INO].nlink == 2
-        assert d in ns.orphans                                 # still looked up by the kernel
+        assert ns.tree.inodes[ROOT_INO].nlink == 2
+        assert d in ns.tree.orphans                                 # still looked up by the kernel
         ns.forget(d, 1)
-        assert d not in ns.orphans
+        assert d not in ns.tree.orphans
         check_tree(ns)
     close_and_check(fs)
 
@@ -132,7 +138,7 @@ async def test_name_length_limit(tmp_path):
         with pytest.raises(FsError) as e:
             await ns.rename(ROOT_INO, ok, ROOT_INO, long)
         assert err(e) == errno.ENAMETOOLONG
-        assert list(ns.inodes[ROOT_INO].entries.by_name) == [ok]
+        assert list(ns.tree.inodes[ROOT_INO].entries.by_name) == [ok]
         await ns.rename(ROOT_INO, ok, ROOT_INO, b"short")
         assert ns.lookup(ROOT_INO, b"short") == f
     close_and_check(fs)
@@ -149,12 +155,12 @@ async def test_rename_moves_replaces_and_refuses(tmp_path):
         deep = ns.make(sub, b"deep", DIR_MODE, 0, 0)
         f1 = await write_file(ns, a, b"f1", pattern(1, BS + 5))
         f2 = await write_file(ns, b, b"f2", pattern(2, 2 * BS))
-        old_keys = [k for k in ns.inodes[f2].committed]
+        old_keys = [k for k in ns.tree.inodes[f2].committed]
         check_tree(ns)
         # Move a directory across directories: parents and link counts follow.
         await ns.rename(a, b"sub", b, b"sub2")
-        assert ns.inodes[sub].parent == b
-        assert (ns.inodes[a].nlink, ns.inodes[b].nlink) == (2, 3)
+        assert ns.tree.inodes[sub].parent == b
+        assert (ns.tree.inodes[a].nlink, ns.tree.inodes[b].nlink) == (2, 3)
         check_tree(ns)
         # A directory cannot move into itself or below itself.
         for parent in (sub, deep):
@@ -186,21 +192,21 @@ async def test_rename_moves_replaces_and_refuses(tmp_path):
         ns.forget(f2, 1)
         await ns.rename(a, b"f1", b, b"f2")
         assert ns.lookup(b, b"f2") == f1
-        assert f2 not in ns.inodes and f2 not in ns.orphans
+        assert f2 not in ns.tree.inodes and f2 not in ns.tree.orphans
         assert all(k not in fs.index.entries for k in old_keys)
         assert fs.store.pending_free_bytes == 2 * BS
-        await fs.store.commit()
+        await fs.ns.commit()
         assert fs.store.pending_free_bytes == 0
         # Replace an empty directory with a directory.
         await ns.rename(b, b"sub2", a, b"empty")
-        assert ns.inodes[sub].parent == a and empty in ns.orphans
-        assert (ns.inodes[a].nlink, ns.inodes[b].nlink) == (3, 2)
+        assert ns.tree.inodes[sub].parent == a and empty in ns.tree.orphans
+        assert (ns.tree.inodes[a].nlink, ns.tree.inodes[b].nlink) == (3, 2)
         # Renaming a name onto another link of the same file does nothing.
         ns.link(f1, ROOT_INO, b"alias")
         before = fs.store.statistics().records_pending
         await ns.rename(ROOT_INO, b"alias", b, b"f2")
         assert fs.store.statistics().records_pending == before
-        assert ns.lookup(ROOT_INO, b"alias") == f1 and ns.inodes[f1].nlink == 2
+        assert ns.lookup(ROOT_INO, b"alias") == f1 and ns.tree.inodes[f1].nlink == 2
         check_tree(ns)
         assert await read_all(ns, f1) == pattern(1, BS + 5)
     close_and_check(fs)
@@ -217,10 +223,10 @@ async def test_rename_records_a_closed_files_content_first(tmp_path):
         fh, _, _ = ns.open(tmp, os.O_WRONLY)
         await ns.write(fh, 0, pattern(2, 2 * BS + 3))
         await ns.release(fh)                        # no upkeep task: nothing sealed it yet
-        assert ns.inodes[tmp].content_dirty
+        assert ns.tree.inodes[tmp].content_dirty
         await ns.rename(ROOT_INO, b"final.tmp", ROOT_INO, b"final")
-        assert not ns.inodes[tmp].content_dirty
-        await fs.store.commit()
+        assert not ns.tree.inodes[tmp].content_dirty
+        await fs.ns.commit()
         ns.forget(old, 1)
         ns.forget(tmp, 1)
     fs.close()                                      # crash right after the rename is durable
@@ -237,15 +243,15 @@ async def test_rename_into_a_removed_directory_is_enoent(tmp_path):
     async with running(fs, persist=False):
         gone = ns.make(ROOT_INO, b"gone", DIR_MODE, 0, 0)      # the kernel keeps a lookup on it
         f = ns.make(ROOT_INO, b"f", FILE_MODE, 0, 0)
-        await ns.seal(ns.inodes[f])                            # an empty file, recorded as such
+        await ns.seal(ns.tree.inodes[f])                            # an empty file, recorded as such
         ns.unlink(ROOT_INO, b"gone", directory=True)
-        assert gone in ns.orphans
+        assert gone in ns.tree.orphans
         try:
             with pytest.raises(FsError) as e:
                 await ns.rename(ROOT_INO, b"f", gone, b"f")
             assert err(e) == errno.ENOENT
         finally:
-            await fs.store.commit()                            # whatever was journaled is durable
+            await fs.ns.commit()                            # whatever was journaled is durable
     fs.close()
     fs = open_fs(path)                                         # and the store must still mount
     assert lookup_path(fs.ns, "f") is not None
@@ -338,12 +344,33 @@ async def build_tree(fs):
             "f2-link": bytes(expected), "empty": b""}
 
 
-def normalised(snapshot):
+def state_in_ram(fs):
+    """The CheckpointState the stack would hand the store now, without its free map
+    (the store computes that while it writes; see written_state)."""
+    blocks, _ = fs.index.snapshot()
+    return dataclasses.replace(fs.ns.tree.snapshot(), blocks=blocks)
+
+
+def written_state(path):
+    """The CheckpointState of the newest checkpoint on the device (read beside an open stack)."""
+    device = Device.open(str(path), readonly=True, lock=False)
+    try:
+        return load(device).state
+    finally:
+        device.close()
+
+
+def normalised(state):
+    """A CheckpointState in a canonical form (rows through their msgpack encoding), by field."""
+    def canon(row):
+        return msgpack.unpackb(msgpack.packb(row.to_wire()))
     return {
-        "next_ino": snapshot["next_ino"],
-        "inodes": sorted((row[:-1], repr(row[-1])) for row in snapshot["inodes"]),
-        "blocks": sorted(snapshot["blocks"]),
-        "free": sorted(map(tuple, snapshot["free"])),
+        "next_ino": state.next_ino,
+        "inodes": [canon(row) for row in sorted(state.inodes, key=lambda row: row.ino)],
+        "blocks": [canon(row) for row in sorted(state.blocks, key=lambda row: row.key)],
+        "free": None if state.free is None else sorted(tuple(e) for e in state.free),
+        "provisional": sorted(state.provisional),
+        "pinned": sorted(state.pinned),
     }
 
 
@@ -352,43 +379,55 @@ async def test_replay_reproduces_the_live_namespace(tmp_path):
     fs = open_fs(path, now=Clock())
     async with running(fs, persist=False):
         files = await build_tree(fs)
-    live = normalised(fs.ns.snapshot())
-    assert fs.store.statistics().generation == 1           # everything is in the journal
+    st = fs.store.statistics()
+    assert st.generation == 1 and st.records_pending == 0   # everything is in the journal
+    live = normalised(state_in_ram(fs))
+    # The store as a crash now would leave it: mkfs's checkpoint and the journal.
+    crashed = tmp_path / "crashed.kvfs"
+    shutil.copyfile(path, crashed)
+    # What the live stack writes as a checkpoint, free map included.
+    await fs.ns.checkpoint()
+    live_written = normalised(written_state(path))
+    assert live_written["free"] is not None
+    assert {k: v for k, v in live_written.items() if k != "free"} == {k: v for k, v in live.items() if k != "free"}
     fs.close()
 
+    dev = Device.open(str(crashed), readonly=True)
+    try:
+        records = ExtentStore.open(dev).loaded.records      # schema records, as mount replays them
+    finally:
+        dev.close()
+    assert len(records) > 15
+
     # 1. Mount-style replay (checkpoint state + journal) gives the same state.
-    fs = open_fs(path, now=Clock())
-    assert fs.replayed["records"] > 15
-    assert normalised(fs.ns.snapshot()) == live
+    fs = open_fs(crashed, now=Clock())
+    assert fs.replayed["records"] == len(records)
+    assert normalised(state_in_ram(fs)) == live
     check_tree(fs.ns)
     for p, data in files.items():
         assert await read_all(fs.ns, lookup_path(fs.ns, p)) == data
-    # 2. The same records applied one by one to a fresh namespace on another new store.
-    records = list(fs.store.replay_records) if fs.store.replay_records else None
+    await fs.ns.checkpoint()                                # and the same checkpoint, free map and all
+    assert normalised(written_state(crashed)) == live_written
     fs.close()
-    from kvfs.device import Device
-    from kvfs.extents import ExtentStore
-    dev = Device.open(str(path), readonly=True)
-    try:
-        records = ExtentStore.open(dev).replay_records
-    finally:
-        dev.close()
-    other = open_fs(mkfs(tmp_path, name="other.kvfs"), now=Clock())
+
+    # 2. The same records applied one by one to a fresh tree on another new store.
+    other_path = mkfs(tmp_path, name="other.kvfs")
+    other = open_fs(other_path, now=Clock())
     other.store.replaying = True
     for rec in records:
-        other.ns.apply(rec)
+        other.ns.tree.apply(rec)
     other.store.replaying = False
-    assert normalised(other.ns.snapshot()) == live
-    other.close()                                           # nothing persisted there
+    assert normalised(state_in_ram(other)) == live
+    await other.ns.checkpoint()
+    assert normalised(written_state(other_path)) == live_written
+    other.close()                                           # its data region holds none of the blocks
 
     # 3. After a checkpoint the state is the same again, with an empty journal.
-    fs = open_fs(path, now=Clock())
-    await fs.store.checkpoint()
-    fs.close()
-    fs = open_fs(path, now=Clock())
-    assert fs.replayed["records"] == 0
-    assert normalised(fs.ns.snapshot()) == live
-    close_and_check(fs)
+    for store_path in (path, crashed):
+        fs = open_fs(store_path, now=Clock())
+        assert fs.replayed["records"] == 0
+        assert normalised(state_in_ram(fs)) == live
+        close_and_check(fs)
 
 
 async def test_unlink_while_open_keeps_data_until_release_and_forget(tmp_path):
@@ -398,28 +437,36 @@ async def test_unlink_while_open_keeps_data_until_release_and_forget(tmp_path):
     data = pattern(9, 2 * BS + 3)
     async with running(fs):
         ino = await write_file(ns, ROOT_INO, b"f", data)        # one lookup held
-        keys = [k for k in ns.inodes[ino].committed]
+        keys = [k for k in ns.tree.inodes[ino].committed]
         fh, _, _ = ns.open(ino, os.O_RDONLY)
         ns.unlink(ROOT_INO, b"f", directory=False)
-        await fs.store.commit()
-        assert ino in ns.orphans and ino not in ns.inodes
+        await fs.ns.commit()
+        assert ino in ns.tree.orphans and ino not in ns.tree.inodes
         assert all(index.entries[k].refs == 0 and index.entries[k].pins >= 1 for k in keys)
         fs.cache.drop_clean()
         assert await ns.read(fh, 0, len(data)) == data          # from the device, still intact
         # A checkpoint now does not contain the orphan, and treats its blocks as free.
-        snap = ns.snapshot()
-        assert ino not in {row[0] for row in snap["inodes"]} and snap["blocks"] == []
+        state = ns.tree.snapshot()
+        assert ino not in {row.ino for row in state.inodes}
+        blocks, transient = index.snapshot()
+        assert blocks == []
+        assert sorted(transient) == sorted({index.extent(k) for k in keys})
+        await ns.checkpoint()
+        written = written_state(path)
+        assert ino not in {row.ino for row in written.inodes} and written.blocks == []
+        for off, length in transient:
+            assert any(s <= off and off + length <= s + n for s, n in written.free)
         await ns.release(fh)
-        assert ino in ns.orphans                                # the kernel still knows the inode
+        assert ino in ns.tree.orphans                                # the kernel still knows the inode
         fh, _, _ = ns.open(ino, os.O_RDONLY)                    # ... and may open it again
         assert await ns.read(fh, 0, 10) == data[:10]
         await ns.release(fh)
         assert all(k in index.entries for k in keys)
         ns.forget(ino, 1)
-        assert ino not in ns.orphans
+        assert ino not in ns.tree.orphans
         assert all(k not in index.entries for k in keys)
         assert fs.store.pending_free_bytes == 2 * BS + 4096       # released, reusable once durable
-    assert fs.store.allocator.free_bytes == fs.store.sb.data_len  # after the final checkpoint
+    assert fs.store.statistics().free_bytes == fs.store.sb.data_len  # after the final checkpoint
     close_and_check(fs)
 
 
@@ -430,17 +477,17 @@ async def test_space_of_an_unlinked_file_is_reusable_after_its_last_close(tmp_pa
     async with running(fs):
         other = await write_file(ns, ROOT_INO, b"other", b"")          # an existing, committed file
         victim = await write_file(ns, ROOT_INO, b"victim", pattern(1, 3 * BS))
-        filler_len = store.allocator.free_bytes
+        filler_len = store.statistics().free_bytes
         filler = store.allocate(filler_len)                             # the device is now full
         fh, _, _ = ns.open(victim, os.O_RDONLY)
         ns.unlink(ROOT_INO, b"victim", directory=False)
-        await store.commit()                                             # the unlink is durable
+        await ns.commit()                                             # the unlink is durable
         assert await ns.read(fh, 0, 3 * BS) == pattern(1, 3 * BS)
         await ns.release(fh)
         ns.forget(victim, 1)                                             # last user gone: blocks freed
         assert store.pending_free_bytes == 3 * BS
         # Nothing durable names those extents any more: a commit must make them reusable ...
-        await store.commit()
+        await ns.commit()
         assert store.pending_free_bytes == 0
         # ... and a writer overwriting an existing file must get the space, not ENOSPC.
         wfh, _, _ = ns.open(other, os.O_WRONLY)
@@ -466,12 +513,12 @@ async def test_open_write_read_truncate_and_handle_errors(tmp_path):
         fh, direct, keep = ns.open(ino, os.O_RDWR)
         assert not direct and not keep                 # read-write: page cache (mmap), never kept
         assert await ns.write(fh, 0, pattern(1, 3 * BS)) == 3 * BS
-        assert ns.inodes[ino].content_dirty
+        assert ns.tree.inodes[ino].content_dirty
         assert await ns.read(fh, BS, 10) == pattern(1, 3 * BS)[BS:BS + 10]
         assert await ns.read(fh, 3 * BS, 10) == b""
         await ns.fsync(fh)
-        assert not ns.inodes[ino].content_dirty
-        assert ns.inodes[ino].size_committed == 3 * BS
+        assert not ns.tree.inodes[ino].content_dirty
+        assert ns.tree.inodes[ino].size_committed == 3 * BS
         await ns.release(fh)
         ro, direct, keep = ns.open(ino, os.O_RDONLY)
         assert not direct
@@ -487,12 +534,12 @@ async def test_open_write_read_truncate_and_handle_errors(tmp_path):
         assert err(e) == errno.EISDIR
         # O_TRUNC empties the file; the durable content changes only at the next seal.
         fh, _, _ = ns.open(ino, os.O_WRONLY | os.O_TRUNC)
-        assert ns.inodes[ino].size == 0
-        assert ns.inodes[ino].size_committed == 3 * BS
+        assert ns.tree.inodes[ino].size == 0
+        assert ns.tree.inodes[ino].size_committed == 3 * BS
         await ns.write(fh, 0, b"short")
         await ns.fsync(fh)
         await ns.release(fh)
-        assert ns.inodes[ino].size_committed == 5
+        assert ns.tree.inodes[ino].size_committed == 5
         with pytest.raises(FsError) as e:
             await ns.setattr(ROOT_INO, size=0)
         assert err(e) == errno.EISDIR
@@ -510,7 +557,7 @@ async def test_by_hash_view_is_read_only(tmp_path):
     async with running(fs):
         ino = await write_file(ns, ROOT_INO, b"f", pattern(3, BS))
         listing = await ns.view_listing(None)
-        assert [n for n, _, _ in listing] == [ns.inodes[ino].content_key.hex().encode()]
+        assert [n for n, _, _ in listing] == [ns.tree.inodes[ino].content_key.hex().encode()]
         name, view, _ = listing[0]
         assert view & VIEW_BIT and view != ino | VIEW_BIT
         assert ns.lookup(BY_HASH_INO, name) == view
@@ -526,7 +573,7 @@ async def test_by_hash_view_is_read_only(tmp_path):
             ns.make(BY_HASH_INO, b"x", FILE_MODE, 0, 0)
         assert err(e) == errno.EROFS
         ns.forget(view, 1)
-        assert not ns.views                      # nothing holds the view any more: it is gone
+        assert not ns.view.views                      # nothing holds the view any more: it is gone
         ns.forget(ino, 1)
     close_and_check(fs)
 
@@ -538,15 +585,15 @@ async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path
     async with running(fs):
         x, y = pattern(4, 2 * BS + 9), pattern(5, 2 * BS + 9)
         ino = await write_file(ns, ROOT_INO, b"f", x)
-        kx = ns.inodes[ino].content_key
+        kx = ns.tree.inodes[ino].content_key
         vx = ns.lookup(BY_HASH_INO, kx.hex().encode())
         fh, _, _ = ns.open(vx, os.O_RDONLY)
         w, _, _ = ns.open(ino, os.O_WRONLY | os.O_TRUNC)     # a rewrite, recorded (fsync)
         await ns.write(w, 0, y)
         await ns.fsync(w)
         await ns.release(w)
-        ky = ns.inodes[ino].content_key
-        assert ky != kx and kx not in ns.by_content
+        ky = ns.tree.inodes[ino].content_key
+        assert ky != kx and kx not in ns.tree.by_content
         assert await ns.read(fh, 0, len(x)) == x            # the descriptor keeps its content
         vy = ns.lookup(BY_HASH_INO, ky.hex().encode())
         assert vy != vx                                     # another content, another inode
@@ -554,10 +601,10 @@ async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path
         with pytest.raises(FsError) as e:
             ns.lookup(BY_HASH_INO, kx.hex().encode())
         assert err(e) == errno.ENOENT
-        blocks_of_x = ns.views[vx].data.keys()
+        blocks_of_x = ns.view.views[vx].data.keys()
         assert all(k in fs.index.entries for k in blocks_of_x)     # pinned by the open view
         await ns.release(fh)
-        assert ns.views[vx].data is None                   # the last close let go of them
+        assert ns.view.views[vx].data is None                   # the last close let go of them
         assert not any(k in fs.index.entries for k in blocks_of_x)
         with pytest.raises(FsError) as e:
             ns.open(vx, os.O_RDONLY)                        # a stale view of gone content
@@ -565,7 +612,7 @@ async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path
         ns.forget(vx, 1)
         ns.forget(vy, 1)
         ns.forget(ino, 1)
-        assert not ns.views
+        assert not ns.view.views
     close_and_check(fs)
 
 
@@ -575,7 +622,7 @@ async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_pa
     ns = fs.ns
     alice, bob = (1000, 1000), (2000, 2000)
     async with running(fs):
-        ns.inodes[ROOT_INO].mode = stat.S_IFDIR | 0o1777
+        ns.tree.inodes[ROOT_INO].mode = stat.S_IFDIR | 0o1777
         home = ns.make(ROOT_INO, b"alice", stat.S_IFDIR | 0o700, *alice)
         deep = ns.make(home, b"deep", stat.S_IFDIR | 0o755, *alice)
         files = {}
@@ -585,7 +632,7 @@ async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_pa
             await ns.write(fh, 0, pattern(len(files) + 10, BS))
             await ns.fsync(fh)
             await ns.release(fh)
-            files[name] = ns.inodes[ino].content_key.hex().encode()
+            files[name] = ns.tree.inodes[ino].content_key.hex().encode()
 
         async def names(caller):
             listing = await ns.view_listing(caller)
@@ -600,12 +647,12 @@ async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_pa
         view = await ns.lookup_view(files[b"key"], alice)
         assert ns.inode(view).uid == 1000 and stat.S_IMODE(ns.inode(view).mode) == 0o400
         ns.forget(view, 1)
-        ns.inodes[deep].mode = stat.S_IFDIR | 0o644         # alice can no longer search deep/
+        ns.tree.inodes[deep].mode = stat.S_IFDIR | 0o644         # alice can no longer search deep/
         assert await names(alice) == [files[b"notes"]]
         with pytest.raises(FsError):
             await ns.lookup_view(files[b"key"], alice)
         assert await names(None) == sorted(files.values())  # root sees everything
-        assert not ns.views
+        assert not ns.view.views
     close_and_check(fs)
 
 
@@ -622,16 +669,16 @@ async def test_upkeep_seals_closed_files_and_commits_on_the_clock(tmp_path, mock
         kept = ns.make(ROOT_INO, b"kept-open", FILE_MODE, 0, 0)
         wfh, _, _ = ns.open(kept, os.O_WRONLY)
         await ns.write(wfh, 0, pattern(2, BS))
-        await wait_until(lambda: not ns.inodes[closed].content_dirty, what="seal of the closed file")
-        assert ns.inodes[closed].size_committed == BS + 1
+        await wait_until(lambda: not ns.tree.inodes[closed].content_dirty, what="seal of the closed file")
+        assert ns.tree.inodes[closed].size_committed == BS + 1
         st = store.statistics()
         assert st.commits == 0 and st.records_pending == 3      # mk, mk, ct: not durable yet
         mock_clock.jump(5.0)
         await wait_until(lambda: store.statistics().commits == 1, what="the periodic commit")
         assert store.statistics().records_pending == 0
-        assert ns.inodes[kept].content_dirty                    # a file open for writing is not sealed
+        assert ns.tree.inodes[kept].content_dirty                    # a file open for writing is not sealed
         await ns.release(wfh)
-        await wait_until(lambda: not ns.inodes[kept].content_dirty, what="seal after close")
+        await wait_until(lambda: not ns.tree.inodes[kept].content_dirty, what="seal after close")
         assert store.statistics().records_pending == 1
         mock_clock.jump(5.0)
         await wait_until(lambda: store.statistics().commits == 2, what="the second commit")
@@ -641,7 +688,7 @@ async def test_upkeep_seals_closed_files_and_commits_on_the_clock(tmp_path, mock
             ns.make(ROOT_INO, b"l%d" % i, LNK_MODE, 0, 0, target=pattern(i, 60 << 10))
             i += 1
             if i % 10 == 0:
-                await store.commit()
+                await ns.commit()
         assert store.statistics().generation == 1
         mock_clock.jump(5.0)
         await wait_until(lambda: store.statistics().generation == 2, what="the checkpoint")
@@ -660,16 +707,21 @@ async def test_checkpoint_between_flush_and_content_record(tmp_path, crash_after
     content record claims them again at replay."""
     path = mkfs(tmp_path)
     fs = open_fs(path)
-    ns, store = fs.ns, fs.store
+    ns = fs.ns
     data = pattern(5, 3 * BS + 9)
     async with running(fs, persist=False):
         ino = ns.make(ROOT_INO, b"f", FILE_MODE, 0, 0)
         fh, _, _ = ns.open(ino, os.O_WRONLY)
         await ns.write(fh, 0, data)
-        await fs.cache.flush_file(ns.inodes[ino].data)      # on the device, pinned only
-        await store.checkpoint()
-        state_blocks = ns.snapshot()["blocks"]
-        assert state_blocks == []                           # not durable content yet
+        filedata = ns.tree.inodes[ino].data
+        await fs.cache.flush_file(filedata)                 # on the device, pinned only
+        await ns.checkpoint()
+        written = written_state(path)
+        assert written.blocks == []                         # not durable content yet ...
+        for key in filedata.keys():                         # ... so its extents are free there
+            off, length = fs.index.extent(key)
+            assert any(s <= off and off + length <= s + n for s, n in written.free)
+        assert ino in written.provisional
         if crash_after == "content-record":
             await ns.fsync(fh)                              # "ct" in the new generation's journal
         await ns.release(fh)
@@ -682,7 +734,7 @@ async def test_checkpoint_between_flush_and_content_record(tmp_path, crash_after
     else:
         # Created and checkpointed, but no close or fsync finished: absent, and its blocks free.
         assert lookup_path(fs.ns, "f") is None
-        assert fs.store.allocator.free_bytes == fs.store.sb.data_len
+        assert fs.store.statistics().free_bytes == fs.store.sb.data_len
     close_and_check(fs)
 
 
@@ -691,7 +743,7 @@ async def test_concurrent_block_writes_and_fsyncs_end_consistent(tmp_path):
     content equals the last writes. (Whole blocks only: partial blocks dirtied during an
     fsync hit the flush_file bug covered in test_blockcache.)"""
     path = mkfs(tmp_path)
-    fs = open_fs(path, cache_size=8 * BS, dirty_limit=4 * BS, flush_workers=2, write_delay=0.005)
+    fs = open_fs(path, cache_size=8 * BS, dirty_limit=4 * BS, flush_workers=2, faults=slow_writes(0.005))
     ns = fs.ns
     model = bytearray(6 * BS)
     async with running(fs, commit_interval=0.05):
@@ -727,7 +779,6 @@ async def test_concurrent_block_writes_and_fsyncs_end_consistent(tmp_path):
 
 
 async def test_statistics_are_frozen_records_that_add_up(tmp_path):
-    import dataclasses
     path = mkfs(tmp_path)
     fs = open_fs(path)
     ns = fs.ns

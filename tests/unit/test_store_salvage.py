@@ -2,16 +2,15 @@
 import pytest
 import trio
 
-from kvfs import format as fmt
-from kvfs import fsck
+from kvfs import fsck, schema
 from kvfs.device import Device
 from kvfs.errors import FormatError
-from kvfs.extents import ExtentStore
+from kvfs.store import ExtentStore
 from kvfs.namespace import ROOT_INO
 
 from .helpers import DIR_MODE, assert_fsck_clean, flip_byte, lookup_path, mkfs, open_fs
 
-S = fmt.SECTOR
+S = schema.SECTOR
 
 
 def open_store(path, **kw):
@@ -25,12 +24,12 @@ def open_store(path, **kw):
 async def three_generations(path, *, frame):
     """gen 2 in slot B, gen 3 in slot A (holding 'in-gen3'), optionally a gen-3 frame ('in-frame')."""
     fs = open_fs(path)
-    await fs.store.checkpoint()
+    await fs.ns.checkpoint()
     fs.ns.make(ROOT_INO, b"in-gen3", DIR_MODE, 0, 0)
-    await fs.store.checkpoint()
+    await fs.ns.checkpoint()
     if frame:
         fs.ns.make(ROOT_INO, b"in-frame", DIR_MODE, 0, 0)
-        await fs.store.commit()
+        await fs.ns.commit()
     sb = fs.store.sb
     fs.close()
     return sb
@@ -43,7 +42,7 @@ def test_valid_header_over_a_bad_payload_of_a_newer_slot_is_refused(tmp_path):
     with pytest.raises(FormatError, match="slot A holds generation 3, newer than generation 2"):
         open_store(path)
     store = open_store(path, salvage=True)
-    assert store.generation == 2 and store.highest_generation == 3 and len(store.damage) == 1
+    assert store.generation == 2 and store.loaded.highest_generation == 3 and len(store.loaded.damage) == 1
     report = fsck.check(str(path), repair=True)
     assert any("between checkpoint generation 2 and generation 3" in line for line in report.lost)
     assert "wrote checkpoint generation 4" in report.repairs
@@ -70,7 +69,7 @@ def test_damaged_older_slot_is_only_a_warning(tmp_path, caplog):
     sb = trio.run(lambda: three_generations(path, frame=False))
     flip_byte(path, sb.checkpoint_b_off + S + 2)        # generation 2: older than the one in use
     store = open_store(path)
-    assert store.generation == 3 and store.damage == []
+    assert store.generation == 3 and store.loaded.damage == []
     assert "slot B (generation 2, older than the one in use) is damaged" in caplog.text
     report = fsck.check(str(path))
     assert report.clean
