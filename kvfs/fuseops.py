@@ -282,7 +282,8 @@ class KvfsOperations(pyfuse3.Operations):
                 raise AccessDenied("statistics are readable by root and the mount's owner only")
             return json.dumps(self.control.stats(), sort_keys=True).encode()
         if inode == ROOT_INO and name == RESULT_XATTR and ctx.pid in self._results:
-            return self._results.pop(ctx.pid)
+            # Kept, not popped: the kernel may ask twice (first with a buffer too small).
+            return self._results[ctx.pid]
         if name == KEY_XATTR:
             key = await self.ns.content_key(inode)      # the key names sealed content only
             if key is not None:
@@ -301,12 +302,13 @@ class KvfsOperations(pyfuse3.Operations):
     @_errno_mapped
     async def setxattr(self, inode, name, value, ctx):
         if inode == ROOT_INO and name == CONTROL_XATTR:
-            if ctx.uid != 0:
-                raise NotPermitted("kvfs control commands need root")
+            if not self._privileged(ctx):
+                raise NotPermitted("kvfs control commands need root or the mount's owner")
             result = await self.control.command(bytes(value).decode("utf-8", "replace"))
             if result is not None:
-                if len(self._results) > 64:
-                    self._results.pop(next(iter(self._results)))
+                self._results.pop(ctx.pid, None)
+                if len(self._results) >= 64:
+                    self._results.pop(next(iter(self._results)))     # the oldest caller's answer
                 self._results[ctx.pid] = json.dumps(result).encode()
             return
         raise NotSupported("kvfs stores no extended attributes")

@@ -10,8 +10,8 @@ import os
 import sys
 import time
 
-from ..errors import InvalidArgument, KvfsError, NotFound, TimedOut, os_error
-from . import Parser, tool
+from ..errors import AccessDenied, InvalidArgument, NotFound, NotPermitted, TimedOut, os_error
+from . import Parser, evict, tool
 
 STATS_XATTR = "user.kvfs.stats"
 CONTROL_XATTR = "user.kvfs.control"
@@ -30,16 +30,20 @@ def read_stats(mountpoint):
         return json.loads(os.getxattr(mountpoint, STATS_XATTR))
     except OSError as exc:
         if exc.errno == errno.EACCES:
-            raise KvfsError(f"{mountpoint}: statistics are readable only by root and the mount's owner",
-                            exc.errno) from None
+            raise AccessDenied(f"{mountpoint}: statistics are readable only by root and the mount's owner") from None
         raise _not_kvfs(mountpoint, exc) from None
 
 
 def send(mountpoint, command):
-    read_stats(mountpoint)                          # a clear error if this is not kvfs
+    try:
+        read_stats(mountpoint)                      # a clear error if this is not kvfs
+    except AccessDenied:
+        raise NotPermitted(f"{mountpoint}: '{command.split()[0]}' needs root or the mount's owner") from None
     try:
         os.setxattr(mountpoint, CONTROL_XATTR, command.encode())
     except OSError as exc:
+        if exc.errno == errno.EPERM:
+            raise NotPermitted(f"{mountpoint}: '{command.split()[0]}' needs root or the mount's owner") from None
         raise _not_kvfs(mountpoint, exc) from None
 
 
@@ -106,7 +110,10 @@ def main(argv):
                        ("umount", "flush, unmount and wait for the daemon to exit")):
         sp = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         sp.add_argument("mountpoint")
+    evict.add_commands(sub)
     args = p.parse_args(argv)
+    if args.command in ("evict", "pin", "unpin"):
+        return evict.run(args, send, _human)
     mnt = os.path.abspath(args.mountpoint)
     if args.command == "stats":
         stats = read_stats(mnt)

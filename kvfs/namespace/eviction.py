@@ -89,7 +89,13 @@ class Evictor:
         chosen, planned = [], 0
         if inos is not None:
             return [self.tree.inodes[i] for i in inos if self.evictable(self.tree.inodes.get(i))]
-        for ino in self.policy.victims():
+        walk = self.policy.victims()
+        # Stop before taking the next victim, not after: the walk moves a file it
+        # yields to the back of its queue, as if the evictor had skipped it.
+        while older_than_ns is not None or planned < free_bytes:
+            ino = next(walk, None)
+            if ino is None:
+                break
             inode = self.tree.inodes.get(ino)
             if inode is None:
                 self.policy.remove(ino)
@@ -100,8 +106,6 @@ class Evictor:
                 if inode.mtime <= older_than_ns and inode.atime <= older_than_ns:
                     chosen.append(inode)
                 continue
-            if planned >= free_bytes:
-                break
             chosen.append(inode)
             planned += inode.size_committed
         return chosen

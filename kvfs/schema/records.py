@@ -226,9 +226,14 @@ class CheckpointState:
     pinned: list = field(default_factory=list, metadata={"doc": "inode numbers of files never evicted"})
 
     def to_wire(self):
-        return {"next_ino": self.next_ino, "inodes": [r.to_wire() for r in self.inodes],
-                "blocks": [b.to_wire() for b in self.blocks], "free": [list(e) for e in self.free],
+        wire = {"next_ino": self.next_ino, "inodes": [r.to_wire() for r in self.inodes],
+                "blocks": [b.to_wire() for b in self.blocks], "free": None,
                 "provisional": list(self.provisional), "pinned": list(self.pinned)}
+        if self.free is None:
+            del wire["free"]                # absent: the whole data region is free (mkfs's map)
+        else:
+            wire["free"] = [list(e) for e in self.free]
+        return wire
 
     @classmethod
     def from_wire(cls, wire, first_ino):

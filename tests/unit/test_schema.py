@@ -168,10 +168,6 @@ def test_wire_form_is_the_documented_positional_list(record):
     assert decode_record(msgpack.unpackb(msgpack.packb(expected))) == record
 
 
-@pytest.mark.xfail(strict=True, reason="docs bug: the `ct` row of docs/format.md's Journal records table has an "
-                                       "unescaped `|` inside a code span (`[[key, off, length] | nil, ...]`), "
-                                       "which GitHub markdown takes as a cell border: the Effect cell is cut off "
-                                       "there; it must be written `\\|`")
 def test_every_doc_table_row_has_exactly_the_headers_cells():
     header, rows = journal_table()
     for cells in rows:
@@ -235,9 +231,6 @@ def test_mkfs_empty_map_is_a_state_without_free():
     assert state == CheckpointState(next_ino=FIRST_INO, inodes=[], blocks=[], free=None, provisional=[])
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="kvfs bug: CheckpointState.to_wire() iterates self.free without a None check, "
-                          "so a state without a free map (mkfs's, Tree.snapshot()'s) cannot be encoded")
 @pytest.mark.parametrize("state", [
     CheckpointState(next_ino=FIRST_INO, inodes=[], blocks=[], free=None, provisional=[]),
     dataclasses.replace(sample_state(), free=None),
