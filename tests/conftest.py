@@ -1,4 +1,6 @@
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,6 +14,64 @@ def pytest_configure(config):
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         raise pytest.UsageError("kvfs tests mount real FUSE filesystems: run them as root with /dev/fuse")
 
+
+# -- unexpected error logs fail the test --------------------------------------------------
+
+# Loggers of the code under test, when it runs inside the test process: the kvfs
+# package and the command-line tools' own loggers (kvfs.cli.tool names them by prog).
+KVFS_LOGGERS = ("kvfs", "mount.kvfs", "mkfs.kvfs", "fsck.kvfs", "kvfs-admin")
+
+
+class _ErrorRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def _unexpected(lines, allowed):
+    """The full text of each (text, full) pair whose "logger: message" no allowed pattern matches."""
+    return [full for text, full in lines if not any(p.search(text) for p in allowed)]
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_errors(request):
+    """Fail a test whose code under test logged an ERROR or CRITICAL it did not expect.
+
+    In-process layers log through the ``kvfs`` loggers; mounted daemons write to
+    the log file KvfsMount gives them. Both are checked when the test is over
+    (this fixture is set up first, so it is torn down after the mounts are). Daemon
+    logs are read from where the last test stopped, so the mount of a module-scoped
+    fixture is checked test by test.
+    A test that provokes errors on purpose says which with
+    ``@pytest.mark.expect_errors("regex", ...)``: a record is then allowed if one
+    of the patterns matches (re.search) its "logger.name: message" text.
+    """
+    allowed = [re.compile(p) for mark in request.node.iter_markers("expect_errors") for p in mark.args]
+    handler = _ErrorRecords()
+    loggers = [logging.getLogger(name) for name in KVFS_LOGGERS]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    found = []
+    in_process = [(f"{r.name}: {r.getMessage()}", f"{r.levelname} {r.name}: {r.getMessage()}")
+                  for r in handler.records]
+    found += [f"in-process: {line}" for line in _unexpected(in_process, allowed)]
+    for fs in list(KvfsMount.made):
+        found += [f"daemon of {fs.device}: {full}" for full in _unexpected(fs.new_error_records(), allowed)]
+    if found:
+        hint = ("" if allowed else
+                "\n(if the test provokes these on purpose, mark it @pytest.mark.expect_errors(\"regex\"))")
+        pytest.fail("unexpected errors were logged:\n  " + "\n  ".join(found) + hint, pytrace=False)
+
+
+# -- mounting fixtures ----------------------------------------------------------------------
 
 @pytest.fixture
 def kvfs(tmp_path):
@@ -41,14 +101,16 @@ def kvfs_factory(tmp_path):
 
 
 @pytest.fixture
-def shared_kvfs():
+def shared_kvfs(tmp_path):
     """Mount factory: an allow_other kvfs whose root (mode 1777) every uid can reach."""
     made = []
 
     def make(*options, size="4G"):
         root = Path(tempfile.mkdtemp(prefix="kvfs-shared-", dir="/tmp"))
         os.chmod(root, 0o755)
-        fs = KvfsMount(root, size=size, mount_options=["allow_other", *options])
+        # The log goes to tmp_path: root is removed before the error-log check reads it.
+        fs = KvfsMount(root, size=size, mount_options=["allow_other", *options],
+                       log=tmp_path / f"kvfs-shared-{len(made)}.log")
         made.append((fs, root))
         fs.mkfs()
         fs.mount()

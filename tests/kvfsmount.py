@@ -5,9 +5,11 @@ filesystem in a daemon process and then uses it through ordinary syscalls.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 from kvfs.cli.admin import wait_exited
@@ -23,10 +25,56 @@ def run_tool(module, *args, check=True, timeout=300, input=None):
     return proc
 
 
-class KvfsMount:
-    """One kvfs filesystem: a store file plus a mountpoint."""
+# A daemon log line, as kvfs.cli.setup_logging formats it:
+#   "2025-01-01 12:00:00,123 kvfs[/mnt/point] ERROR kvfs.daemon: message"
+# Lines that do not match (tracebacks) continue the record above them.
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ "
+                       r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<text>.*)$")
 
-    def __init__(self, root: Path, size="4G", block_size=None, mount_options=()):
+
+def log_records(text):
+    """The records in daemon log text: a list of (level, "logger: message", full text)."""
+    records = []
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line)
+        if m:
+            records.append([m["level"], m["text"], line])
+        elif records:
+            records[-1][2] += "\n" + line
+    return [tuple(r) for r in records]
+
+
+_log_read_up_to = {}            # log path -> bytes of it already handed out by new_log_records
+
+
+def new_log_records(path):
+    """The complete records appended to the log at ``path`` since the last call for it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            start = _log_read_up_to.get(path, 0)
+            if start > os.fstat(f.fileno()).st_size:
+                start = 0                       # a new file of the same name
+            f.seek(start)
+            chunk = f.read()
+    except FileNotFoundError:
+        return []
+    chunk = chunk[:chunk.rfind(b"\n") + 1]      # a running daemon may be mid-line
+    _log_read_up_to[path] = start + len(chunk)
+    return log_records(chunk.decode(errors="replace"))
+
+
+class KvfsMount:
+    """One kvfs filesystem: a store file plus a mountpoint.
+
+    Its daemons log to ``root/kvfs.log`` (unless the mount options name another
+    ``log=``, or ``log`` is given); every instance is listed in ``KvfsMount.made``
+    so that the test harness can fail a test whose daemons logged an unexpected error.
+    """
+
+    made = weakref.WeakSet()
+
+    def __init__(self, root: Path, size="4G", block_size=None, mount_options=(), log=None):
         self.root = Path(root)
         self.device = self.root / "store.kvfs"
         self.mnt = self.root / "mnt"
@@ -35,6 +83,9 @@ class KvfsMount:
         self.block_size = block_size
         self.mount_options = list(mount_options)
         self.pid = None
+        self.log = Path(log) if log else self.root / "kvfs.log"
+        self.logs = {self.log}          # every log file a daemon of this store was told to use
+        KvfsMount.made.add(self)
 
     # -- lifecycle -------------------------------------------------------
     def mkfs(self, *extra):
@@ -45,9 +96,12 @@ class KvfsMount:
 
     def mount(self, *options):
         opts = [*self.mount_options, *options]
-        args = [self.device, self.mnt]
-        if opts:
-            args += ["-o", ",".join(opts)]
+        logs = [o.partition("=")[2] for o in opts if o.startswith("log=")]
+        if logs:
+            self.logs.update(Path(p) for p in logs)
+        else:
+            opts.append(f"log={self.log}")
+        args = [self.device, self.mnt, "-o", ",".join(opts)]
         run_tool("mount", *args, timeout=120)
         self.pid = self.stats()["pid"]
         return self
@@ -98,6 +152,11 @@ class KvfsMount:
     def assert_fsck_clean(self):
         proc = self.fsck()
         assert proc.returncode == 0, f"fsck not clean:\n{proc.stdout}\n{proc.stderr}"
+
+    def new_error_records(self):
+        """ERROR and CRITICAL records its daemons logged since the last call (for any mount)."""
+        return [(text, full) for path in sorted(self.logs) for level, text, full in new_log_records(path)
+                if level in ("ERROR", "CRITICAL")]
 
     def teardown(self):
         """Unmount if needed and demand a clean fsck: every test ends with one."""
