@@ -7,12 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from kvfsmount import KvfsMount  # noqa: E402  (tests/ is on sys.path via rootdir conftest)
+from kvfsmount import MOUNT_FIXTURES, KvfsMount  # noqa: E402  (tests/ is on sys.path via rootdir conftest)
 
 
-def pytest_configure(config):
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        raise pytest.UsageError("kvfs tests mount real FUSE filesystems: run them as root with /dev/fuse")
+def require_fuse():
+    """Called by the fixtures in MOUNT_FIXTURES: fail the calling test unless this process may mount FUSE filesystems."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append(f"running as uid {os.geteuid()}, not root")
+    if not os.path.exists("/dev/fuse"):
+        problems.append("/dev/fuse does not exist")
+    if problems:
+        pytest.fail("this test mounts a real kvfs through FUSE and needs root with /dev/fuse "
+                    f"({'; '.join(problems)}); the layer tests in tests/unit need neither",
+                    pytrace=False)
 
 
 # -- unexpected error logs fail the test --------------------------------------------------
@@ -76,6 +84,7 @@ def no_unexpected_errors(request):
 @pytest.fixture
 def kvfs(tmp_path):
     """A freshly made 4 GiB sparse kvfs store, mounted; fsck must be clean at the end."""
+    require_fuse()
     fs = KvfsMount(tmp_path)
     fs.mkfs()
     fs.mount()
@@ -86,6 +95,7 @@ def kvfs(tmp_path):
 @pytest.fixture
 def kvfs_factory(tmp_path):
     """Build a KvfsMount with custom size/options; the test mkfs's and mounts it."""
+    require_fuse()
     made = []
 
     def make(name="fs", **kw):
@@ -103,6 +113,7 @@ def kvfs_factory(tmp_path):
 @pytest.fixture
 def shared_kvfs(tmp_path):
     """Mount factory: an allow_other kvfs whose root (mode 1777) every uid can reach."""
+    require_fuse()
     made = []
 
     def make(*options, size="4G"):

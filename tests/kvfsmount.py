@@ -15,6 +15,12 @@ from pathlib import Path
 from kvfs.cli.admin import wait_exited
 
 
+# The fixtures (tests/conftest.py) that mount a real FUSE filesystem. Only tests that
+# use one of them, or build a KvfsMount themselves, need root and /dev/fuse;
+# tests/unit/conftest.py refuses a layer test that asks for one.
+MOUNT_FIXTURES = ("kvfs", "kvfs_factory", "shared_kvfs")
+
+
 def run_tool(module, *args, check=True, timeout=300, input=None):
     """Run one of kvfs's command-line tools (``kvfs.cli.<module>``)."""
     cmd = [sys.executable, "-m", f"kvfs.cli.{module}", *map(str, args)]
