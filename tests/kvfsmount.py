@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 from kvfs.cli.admin import wait_exited
@@ -74,11 +73,13 @@ class KvfsMount:
     """One kvfs filesystem: a store file plus a mountpoint.
 
     Its daemons log to ``root/kvfs.log`` (unless the mount options name another
-    ``log=``, or ``log`` is given); every instance is listed in ``KvfsMount.made``
-    so that the test harness can fail a test whose daemons logged an unexpected error.
+    ``log=``, or ``log`` is given). Every instance is listed in ``KvfsMount.made``
+    when it is made and whenever it mounts, so that the test harness can fail a
+    test whose daemons logged an unexpected error (the harness drops the ones
+    no longer mounted once it has read their logs).
     """
 
-    made = weakref.WeakSet()
+    made = []
 
     def __init__(self, root: Path, size="4G", block_size=None, mount_options=(), log=None):
         self.root = Path(root)
@@ -91,7 +92,7 @@ class KvfsMount:
         self.pid = None
         self.log = Path(log) if log else self.root / "kvfs.log"
         self.logs = {self.log}          # every log file a daemon of this store was told to use
-        KvfsMount.made.add(self)
+        KvfsMount.made.append(self)
 
     # -- lifecycle -------------------------------------------------------
     def mkfs(self, *extra):
@@ -108,6 +109,8 @@ class KvfsMount:
         else:
             opts.append(f"log={self.log}")
         args = [self.device, self.mnt, "-o", ",".join(opts)]
+        if self not in KvfsMount.made:
+            KvfsMount.made.append(self)
         run_tool("mount", *args, timeout=120)
         self.pid = self.stats()["pid"]
         return self
