@@ -1,4 +1,4 @@
-"""The test harness itself: unexpected error logs fail tests.
+"""The test harness itself: error logs fail tests, helper-thread failures reach them.
 
 None of these mount anything, so they run without root.
 """
@@ -6,12 +6,66 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
+import pytest
+
 from kvfsmount import log_records
+from threads import Workers, run_in_threads
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
+
+
+# -- helper threads -----------------------------------------------------------------------
+
+def test_a_worker_exception_is_raised_in_the_test():
+    def reader(stop):
+        assert False, "short read: 10 of 20"
+
+    with pytest.raises(AssertionError, match="short read") as err:
+        with Workers(timeout=10) as workers:
+            workers.start(reader, workers.stop, name="reader")
+            while not workers.failed:
+                time.sleep(0.01)
+    assert any("helper thread reader" in note for note in err.value.__notes__)
+
+
+def test_a_worker_that_does_not_stop_fails_the_test():
+    release = threading.Event()
+    try:
+        with pytest.raises(AssertionError, match="still running"):
+            with Workers(timeout=0.2) as workers:
+                workers.start(release.wait, name="stuck")
+    finally:
+        release.set()
+
+
+def test_the_tests_own_failure_wins_and_names_the_workers():
+    def worker():
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(KeyError) as err:
+        with Workers(timeout=10) as workers:
+            workers.start(worker)
+            while not workers.failed:
+                time.sleep(0.01)
+            raise KeyError("the test's own")
+    assert any("Input/output error" in note for note in err.value.__notes__)
+
+
+def test_run_in_threads_runs_concurrently_and_keeps_order():
+    barrier = threading.Barrier(4, timeout=10)         # only passes if all four run at once
+
+    def work(i):
+        barrier.wait()
+        return i * i
+
+    assert run_in_threads(work, range(4)) == [0, 1, 4, 9]
+    with pytest.raises(ZeroDivisionError):
+        run_in_threads(lambda i: 1 // i, range(3))
 
 
 # -- error logs ------------------------------------------------------------------------------
@@ -44,6 +98,7 @@ import logging
 import subprocess
 import sys
 
+import pytest
 
 from kvfsmount import KvfsMount
 

@@ -9,13 +9,13 @@ import os
 import socket
 import stat
 import subprocess
-import threading
 import time
 
 import pytest
 
 from kvfsmount import KvfsMount
 from test_core_acceptance import pattern, write_file
+from threads import Workers
 
 MiB = 1 << 20
 
@@ -60,10 +60,10 @@ def test_files_in_flight_at_a_crash_are_whole_or_absent(kvfs_factory):
     fs = kvfs_factory(mount_options=["write_delay_ms=100", "commit_interval=0.3"])
     fs.mkfs()
     fs.mount()
-    fsynced, stop, errors = set(), threading.Event(), []
+    fsynced = set()
     contents = {}
 
-    def writer(w):
+    def writer(w, stop):
         try:
             for i in range(1000):
                 if stop.is_set():
@@ -78,19 +78,16 @@ def test_files_in_flight_at_a_crash_are_whole_or_absent(kvfs_factory):
                 finally:
                     os.close(fd)
                 fsynced.add(name)
-        except OSError as exc:              # the mount going away under us ends the writer
+        except OSError:                     # the mount going away under us ends the writer
             if not stop.is_set():
-                errors.append(exc)
+                raise
 
-    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
-    for t in threads:
-        t.start()
-    time.sleep(3)
-    stop.set()
-    fs.kill9()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    with Workers(timeout=30) as workers:    # on leaving: join the writers, re-raise their failures
+        for w in range(3):
+            workers.start(writer, w, workers.stop)
+        time.sleep(3)
+        workers.stop.set()
+        fs.kill9()
     assert len(fsynced) >= 3, "the writers made too little progress to test anything"
     fs.mount()
     present = set(os.listdir(fs.mnt)) - {".kvfs"}
