@@ -172,6 +172,7 @@ def test_crash_kill9_keeps_every_fsynced_file(kvfs):
     kvfs.mount()
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 def test_corrupt_block_gives_eio_and_fsck_repairs(kvfs):
     mnt = kvfs.mnt
     victim = pattern(1, 3 * MiB)

@@ -355,6 +355,10 @@ def test_store_whose_state_already_exceeds_its_checkpoint_slot_mounts(kvfs_facto
     assert len(os.listdir(fs.mnt)) == links - 600 + 2
 
 
+@pytest.mark.expect_errors(
+    r"kvfs\.blockcache: flushing a block failed \(attempt \d\): device write at \d+ failed: No space left on device",
+    r"kvfs\.namespace: inode \d+: writing back its content failed: flushing the file to the device failed",
+)
 def test_host_enospc_below_a_sparse_store_keeps_the_mount_up(tmp_path):
     """The store is a sparse file on a small tmpfs: the host runs out before kvfs does.
 
