@@ -11,7 +11,10 @@ from kvfsmount import KvfsMount  # noqa: E402  (tests/ is on sys.path via rootdi
 
 
 def require_fuse():
-    """Called by the fixtures in MOUNT_FIXTURES: fail the calling test unless this process may mount FUSE filesystems."""
+    """Fail the calling test unless this process may mount FUSE filesystems.
+
+    Called by the fixtures listed in kvfsmount.MOUNT_FIXTURES, and only there.
+    """
     problems = []
     if os.geteuid() != 0:
         problems.append(f"running as uid {os.geteuid()}, not root")

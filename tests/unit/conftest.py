@@ -5,6 +5,11 @@ real kvfs. This hook keeps that promise for the layer tests: a test under
 tests/unit that asks for a mounting fixture, or a module here that imports the
 mount harness, is a collection error, so it is noticed by whoever adds it
 rather than by the first unprivileged run.
+
+To see it for real, as root, run the layer tests as nobody:
+
+    setpriv --reuid 65534 --regid 65534 --clear-groups \
+        .venv/bin/python -m pytest tests/unit -p no:cacheprovider
 """
 from pathlib import Path
 
