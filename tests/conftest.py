@@ -1,4 +1,6 @@
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -8,14 +10,85 @@ import pytest
 from kvfsmount import KvfsMount  # noqa: E402  (tests/ is on sys.path via rootdir conftest)
 
 
-def pytest_configure(config):
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        raise pytest.UsageError("kvfs tests mount real FUSE filesystems: run them as root with /dev/fuse")
+def require_fuse():
+    """Fail the calling test unless this process may mount FUSE filesystems.
 
+    Called by the fixtures listed in kvfsmount.MOUNT_FIXTURES, and only there.
+    """
+    problems = []
+    if os.geteuid() != 0:
+        problems.append(f"running as uid {os.geteuid()}, not root")
+    if not os.path.exists("/dev/fuse"):
+        problems.append("/dev/fuse does not exist")
+    if problems:
+        pytest.fail("this test mounts a real kvfs through FUSE and needs root with /dev/fuse "
+                    f"({'; '.join(problems)}); the layer tests in tests/unit need neither",
+                    pytrace=False)
+
+
+# -- unexpected error logs fail the test --------------------------------------------------
+
+# Loggers of the code under test, when it runs inside the test process: the kvfs
+# package and the command-line tools' own loggers (kvfs.cli.tool names them by prog).
+KVFS_LOGGERS = ("kvfs", "mount.kvfs", "mkfs.kvfs", "fsck.kvfs", "kvfs-admin")
+
+
+class _ErrorRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def _unexpected(lines, allowed):
+    """The full text of each (text, full) pair whose "logger: message" no allowed pattern matches."""
+    return [full for text, full in lines if not any(p.search(text) for p in allowed)]
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_errors(request):
+    """Fail a test whose code under test logged an ERROR or CRITICAL it did not expect.
+
+    In-process layers log through the ``kvfs`` loggers; mounted daemons write to
+    the log file KvfsMount gives them. Both are checked when the test is over
+    (this fixture is set up first, so it is torn down after the mounts are). Daemon
+    logs are read from where the last test stopped, so the mount of a module-scoped
+    fixture is checked test by test.
+    A test that provokes errors on purpose says which with
+    ``@pytest.mark.expect_errors("regex", ...)``: a record is then allowed if one
+    of the patterns matches (re.search) its "logger.name: message" text.
+    """
+    allowed = [re.compile(p) for mark in request.node.iter_markers("expect_errors") for p in mark.args]
+    handler = _ErrorRecords()
+    loggers = [logging.getLogger(name) for name in KVFS_LOGGERS]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    found = []
+    in_process = [(f"{r.name}: {r.getMessage()}", f"{r.levelname} {r.name}: {r.getMessage()}")
+                  for r in handler.records]
+    found += [f"in-process: {line}" for line in _unexpected(in_process, allowed)]
+    for fs in KvfsMount.made:
+        found += [f"daemon of {fs.device}: {full}" for full in _unexpected(fs.new_error_records(), allowed)]
+    KvfsMount.made[:] = [fs for fs in KvfsMount.made if fs.mounted]     # a later mount() re-adds one
+    if found:
+        hint = ("" if allowed else
+                "\n(if the test provokes these on purpose, mark it @pytest.mark.expect_errors(\"regex\"))")
+        pytest.fail("unexpected errors were logged:\n  " + "\n  ".join(found) + hint, pytrace=False)
+
+
+# -- mounting fixtures ----------------------------------------------------------------------
 
 @pytest.fixture
 def kvfs(tmp_path):
     """A freshly made 4 GiB sparse kvfs store, mounted; fsck must be clean at the end."""
+    require_fuse()
     fs = KvfsMount(tmp_path)
     fs.mkfs()
     fs.mount()
@@ -26,6 +99,7 @@ def kvfs(tmp_path):
 @pytest.fixture
 def kvfs_factory(tmp_path):
     """Build a KvfsMount with custom size/options; the test mkfs's and mounts it."""
+    require_fuse()
     made = []
 
     def make(name="fs", **kw):
@@ -41,14 +115,17 @@ def kvfs_factory(tmp_path):
 
 
 @pytest.fixture
-def shared_kvfs():
+def shared_kvfs(tmp_path):
     """Mount factory: an allow_other kvfs whose root (mode 1777) every uid can reach."""
+    require_fuse()
     made = []
 
     def make(*options, size="4G"):
         root = Path(tempfile.mkdtemp(prefix="kvfs-shared-", dir="/tmp"))
         os.chmod(root, 0o755)
-        fs = KvfsMount(root, size=size, mount_options=["allow_other", *options])
+        # The log goes to tmp_path: root is removed before the error-log check reads it.
+        fs = KvfsMount(root, size=size, mount_options=["allow_other", *options],
+                       log=tmp_path / f"kvfs-shared-{len(made)}.log")
         made.append((fs, root))
         fs.mkfs()
         fs.mount()

@@ -5,6 +5,7 @@ filesystem in a daemon process and then uses it through ordinary syscalls.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,12 @@ from pathlib import Path
 from kvfs import faults
 
 from kvfs.cli.admin import wait_exited
+
+
+# The fixtures (tests/conftest.py) that mount a real FUSE filesystem. Only tests that
+# use one of them, or build a KvfsMount themselves, need root and /dev/fuse;
+# tests/unit/conftest.py refuses a layer test that asks for one.
+MOUNT_FIXTURES = ("kvfs", "kvfs_factory", "shared_kvfs")
 
 
 def slow_writes(seconds):
@@ -32,6 +39,45 @@ def run_tool(module, *args, check=True, timeout=300, input=None, env=None):
     return proc
 
 
+# A daemon log line, as kvfs.cli.setup_logging formats it:
+#   "2025-01-01 12:00:00,123 kvfs[/mnt/point] ERROR kvfs.daemon: message"
+# Lines that do not match (tracebacks) continue the record above them.
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ "
+                       r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<text>.*)$")
+
+
+def log_records(text):
+    """The records in daemon log text: a list of (level, "logger: message", full text)."""
+    records = []
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line)
+        if m:
+            records.append([m["level"], m["text"], line])
+        elif records:
+            records[-1][2] += "\n" + line
+    return [tuple(r) for r in records]
+
+
+_log_read_up_to = {}            # log path -> bytes of it already handed out by new_log_records
+
+
+def new_log_records(path):
+    """The complete records appended to the log at ``path`` since the last call for it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            start = _log_read_up_to.get(path, 0)
+            if start > os.fstat(f.fileno()).st_size:
+                start = 0                       # a new file of the same name
+            f.seek(start)
+            chunk = f.read()
+    except FileNotFoundError:
+        return []
+    chunk = chunk[:chunk.rfind(b"\n") + 1]      # a running daemon may be mid-line
+    _log_read_up_to[path] = start + len(chunk)
+    return log_records(chunk.decode(errors="replace"))
+
+
 class KvfsMount:
     """One kvfs filesystem: a store file plus a mountpoint.
 
@@ -39,9 +85,18 @@ class KvfsMount:
     written to ``root/faults.json`` and handed to every mount as
     ``KVFS_TEST_FAULTS=@root/faults.json``; :meth:`set_faults` replaces it, and
     a running daemon picks the new plan up on its next device call.
+
+    Its daemons log to ``root/kvfs.log`` (unless the mount options name another
+    ``log=``, or ``log`` is given). Every instance is listed in ``KvfsMount.made``
+    when it is made and whenever it mounts, so that the test harness can fail a
+    test whose daemons logged an unexpected error (the harness drops the ones
+    no longer mounted once it has read their logs).
     """
 
-    def __init__(self, root: Path, size="4G", block_size=None, mount_options=(), faults=None):
+    made = []
+
+    def __init__(self, root: Path, size="4G", block_size=None, mount_options=(), log=None,
+                 faults=None):
         self.root = Path(root)
         self.device = self.root / "store.kvfs"
         self.mnt = self.root / "mnt"
@@ -50,6 +105,9 @@ class KvfsMount:
         self.block_size = block_size
         self.mount_options = list(mount_options)
         self.pid = None
+        self.log = Path(log) if log else self.root / "kvfs.log"
+        self.logs = {self.log}          # every log file a daemon of this store was told to use
+        KvfsMount.made.append(self)
         self.faults_file = None
         if faults is not None:
             self.faults_file = self.root / "faults.json"
@@ -64,9 +122,14 @@ class KvfsMount:
 
     def mount(self, *options):
         opts = [*self.mount_options, *options]
-        args = [self.device, self.mnt]
-        if opts:
-            args += ["-o", ",".join(opts)]
+        logs = [o.partition("=")[2] for o in opts if o.startswith("log=")]
+        if logs:
+            self.logs.update(Path(p) for p in logs)
+        else:
+            opts.append(f"log={self.log}")
+        args = [self.device, self.mnt, "-o", ",".join(opts)]
+        if self not in KvfsMount.made:
+            KvfsMount.made.append(self)
         env = None if self.faults_file is None else {faults.ENV: f"@{self.faults_file}"}
         run_tool("mount", *args, timeout=120, env=env)
         self.pid = self.stats()["pid"]
@@ -128,6 +191,11 @@ class KvfsMount:
     def assert_fsck_clean(self):
         proc = self.fsck()
         assert proc.returncode == 0, f"fsck not clean:\n{proc.stdout}\n{proc.stderr}"
+
+    def new_error_records(self):
+        """ERROR and CRITICAL records its daemons logged since the last call (for any mount)."""
+        return [(text, full) for path in sorted(self.logs) for level, text, full in new_log_records(path)
+                if level in ("ERROR", "CRITICAL")]
 
     def teardown(self):
         """Unmount if needed and demand a clean fsck: every test ends with one."""

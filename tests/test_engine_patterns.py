@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from threads import Workers
+
 MiB = 1 << 20
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -126,22 +128,21 @@ def test_replace_is_atomic_under_concurrent_readers(kvfs):
     key = "meta-llama/Meta-Llama-3-8B@1@0@7c90e754c24a955f@bfloat16"
     versions = [payload(2 * MiB, f"v{i}") for i in range(2)]
     lmcache_fs_put(base, key, versions[0], odirect=False)
-    stop = threading.Event()
     seen = []
 
-    def reader():
+    def reader(stop):
         while not stop.is_set():
-            got = lmcache_fs_get(base, key, 2 * MiB, odirect=False)
+            got = lmcache_fs_get(base, key, 2 * MiB, odirect=False)     # asserts a full read
             seen.append(versions.index(got) if got in versions else -1)
 
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
+    # Leaving the block stops and joins the reader, and re-raises its failure
+    # (a short read, an OSError): a reader that died must not pass the test.
+    with Workers() as workers:
+        workers.start(reader, workers.stop)
         for i in range(30):
+            if workers.failed:
+                break
             lmcache_fs_put(base, key, versions[i % 2], odirect=False)
-    finally:
-        stop.set()
-        t.join()
     assert seen and -1 not in seen, "a reader saw a torn or mixed file"
 
 

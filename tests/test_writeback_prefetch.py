@@ -6,7 +6,9 @@ device (a fault plan that delays every device write) makes the write-back visibl
 import hashlib
 import os
 import signal
-import threading
+
+from kvfsmount import slow_writes
+from threads import run_in_threads
 
 MiB = 1 << 20
 
@@ -73,11 +75,7 @@ def test_back_pressure_bounds_dirty_bytes(kvfs_factory):
         digests[i] = hashlib.sha256(data).hexdigest()
         write(fs.mnt / f"w{i}", data)
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(writer, range(4))                # re-raises a writer's failure here
     fs.flush()
     stats = fs.stats()
     assert stats["dirty_limit"] == 8 * MiB
@@ -110,23 +108,18 @@ def test_concurrent_readers_share_one_prefetch(kvfs):
     write(kvfs.mnt / "shared", data)
     kvfs.remount()
     drop_kernel_cache()
-    results = []
 
-    def reader():
+    def reader(_):
         fd = os.open(kvfs.mnt / "shared", os.O_RDONLY | os.O_DIRECT)
         try:
             import mmap
             buf = mmap.mmap(-1, 33 * MiB)
             n = os.readv(fd, [buf])
-            results.append(hashlib.sha256(buf[:n]).hexdigest())
+            return hashlib.sha256(buf[:n]).hexdigest()
         finally:
             os.close(fd)
 
-    threads = [threading.Thread(target=reader) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_in_threads(reader, range(6))
     assert results == [hashlib.sha256(data).hexdigest()] * 6
     stats = kvfs.stats()
     assert stats["cache_misses"] == 33              # each block read from the device exactly once

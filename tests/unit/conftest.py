@@ -1,18 +1,48 @@
-"""Unit-test guard: every ``kvfs`` module a test uses comes from this checkout.
+"""The layer tests run in-process, as any user: no root, no FUSE, no mount.
 
-An editable install of another checkout (a shared virtual environment) maps
-``kvfs.*`` names that this tree does not define to *that* tree's files, so a
-test importing a module that was renamed here (``kvfs.format``,
-``kvfs.extents``) would quietly exercise stale code. Fail instead.
+tests/conftest.py asks for root and /dev/fuse only in the fixtures that mount a
+real kvfs. This hook keeps that promise for the layer tests: a test under
+tests/unit that asks for a mounting fixture, or a module here that imports the
+mount harness, is a collection error, so it is noticed by whoever adds it
+rather than by the first unprivileged run.
+
+To see it for real, as root, run the layer tests as nobody:
+
+    setpriv --reuid 65534 --regid 65534 --clear-groups \
+        .venv/bin/python -m pytest tests/unit -p no:cacheprovider
+
+A second guard: every ``kvfs`` module a test uses comes from this checkout. An
+editable install of another checkout (a shared virtual environment) maps ``kvfs.*``
+names this tree does not define to *that* tree's files, so a test importing a module
+renamed here would quietly exercise stale code. Fail instead.
 """
 import pathlib
 import sys
+from pathlib import Path
 
 import pytest
 
 import kvfs
+from kvfsmount import MOUNT_FIXTURES
 
+HERE = Path(__file__).parent
 KVFS_DIR = pathlib.Path(kvfs.__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items):
+    offenders = []
+    for item in items:
+        if HERE not in item.path.parents:
+            continue
+        used = sorted(set(getattr(item, "fixturenames", ())) & set(MOUNT_FIXTURES))
+        if used:
+            offenders.append(f"{item.nodeid} uses {', '.join(used)}")
+        module = getattr(item, "module", None)
+        if module is not None and "KvfsMount" in vars(module):
+            offenders.append(f"{item.nodeid}: its module imports KvfsMount")
+    if offenders:
+        raise pytest.UsageError("layer tests in tests/unit must not mount (they run without root "
+                                "or FUSE):\n  " + "\n  ".join(offenders))
 
 
 def _foreign_kvfs_modules():

@@ -92,6 +92,7 @@ async def test_concurrent_stores_of_the_same_block_write_it_once(tmp_path):
     close_and_check(fs)
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 async def test_corrupt_block_raises_and_never_returns_wrong_bytes(tmp_path):
     path = mkfs(tmp_path)
     fs = open_fs(path)

@@ -56,6 +56,7 @@ def test_fresh_and_populated_stores_check_clean(tmp_path):
     assert digest(path) == before                 # a plain check writes nothing
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 def test_flipped_byte_in_a_block_is_found_and_repair_removes_the_file(tmp_path):
     path = mkfs(tmp_path)
     info = trio.run(populate, path)
@@ -92,6 +93,7 @@ def test_flipped_byte_in_a_block_is_found_and_repair_removes_the_file(tmp_path):
     trio.run(after)
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 def test_corrupt_shared_block_removes_every_file_naming_it(tmp_path):
     path = mkfs(tmp_path)
     info = trio.run(populate, path)
@@ -112,6 +114,7 @@ def test_corrupt_shared_block_removes_every_file_naming_it(tmp_path):
     trio.run(after)
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 def test_no_data_check_skips_block_verification(tmp_path):
     path = mkfs(tmp_path)
     info = trio.run(populate, path)
@@ -270,6 +273,7 @@ def test_dangling_entry_is_removed_by_repair(tmp_path):
     trio.run(after)
 
 
+@pytest.mark.expect_errors(r"kvfs\.namespace: inode \d+ names blocks missing from the index")
 def test_file_naming_a_missing_block_is_removed(tmp_path):
     path = mkfs(tmp_path)
 
