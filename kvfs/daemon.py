@@ -24,6 +24,7 @@ from .errors import FormatError, KvfsError
 from .extents import ExtentStore
 from .fuseops import KvfsOperations
 from .namespace import Namespace
+from .sdnotify import Notifier
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ class Daemon:
             raise KvfsError(f"unknown control command {name!r}", 22)
 
     async def _stop(self):
+        self._begin_stop()
         if not self._stopping:
             self._stopping = True
             pyfuse3.terminate()
@@ -199,6 +201,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("signal %d: flushing and unmounting", signum)
+                self._begin_stop()
                 try:
                     await self.fs.ns.flush_all()
                 except KvfsError as exc:
@@ -207,6 +210,7 @@ class Daemon:
 
     async def serve(self, ready=lambda: None):
         tune_malloc()
+        self._start_ops()
         fuse_options = set(pyfuse3.default_options)       # default_permissions
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
         if self.options.allow_other:
@@ -229,6 +233,7 @@ class Daemon:
                         log.error("could not checkpoint after replay, serving from the journal: %s", exc)
                 nursery.start_soon(self._after_mount, ready)
                 await pyfuse3.main(min_tasks=4, max_tasks=self.options.max_tasks)
+                self._begin_stop()
                 pyfuse3.close(unmount=True)
                 unmounted = True
                 await self.fs.ns.flush_all()
@@ -242,11 +247,13 @@ class Daemon:
         finally:
             if not unmounted:
                 pyfuse3.close(unmount=True)
+            self._end_ops()
 
     async def _after_mount(self, ready):
         # Runs once pyfuse3.main is serving: stat() of the mountpoint needs the daemon.
         await trio.to_thread.run_sync(self._raise_read_ahead)
         ready()
+        await self._serve_ops()
 
     def _raise_read_ahead(self):
         """Widen the kernel readahead window for this mount (128 KiB by default)."""
@@ -257,3 +264,19 @@ class Daemon:
                 f.write(str(self.options.read_ahead_kb))
         except OSError as exc:
             log.info("could not raise read_ahead_kb: %s", exc)
+
+    # -- operations: systemd notify and the watchdog -----------------------------
+    def _start_ops(self):
+        """Before mounting: read $NOTIFY_SOCKET."""
+        self._notify = Notifier.from_environ()
+
+    async def _serve_ops(self):
+        """Once the mount is live: READY=1, then the watchdog until cancelled."""
+        self._notify.once("READY=1", f"STATUS=serving {self.mountpoint}")
+        await self._notify.watchdog()
+
+    def _begin_stop(self):
+        self._notify.once("STOPPING=1", f"STATUS=flushing and unmounting {self.mountpoint}")
+
+    def _end_ops(self):
+        self._notify.close()
