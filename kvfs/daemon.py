@@ -24,6 +24,8 @@ from .errors import FormatError, KvfsError
 from .extents import ExtentStore
 from .fuseops import KvfsOperations
 from .namespace import Namespace
+from .opsstats import OpsStats
+from .metrics import MetricsServer
 from .sdnotify import Notifier
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ class MountOptions:
     write_delay: float = 0.0          # test hook: a deliberately slow device
     read_ahead_kb: int = 32768
     by_hash: str = "root"             # who may use /.kvfs/by-hash: "root" or "owner" (fuseops)
+    metrics_port: int = 0             # serve Prometheus /metrics on this port (0: not at all)
+    metrics_addr: str = "127.0.0.1"
 
     @classmethod
     def defaults(cls):
@@ -117,6 +121,7 @@ class Filesystem:
             "pid": os.getpid(),
             "mountpoint": self.mountpoint,
             "device": dev.path,
+            "device_kind": "block device" if self.device.is_block else "file",
             "direct_io": dev.direct_io,
             "block_size": self.index.block_size,
             "capacity_bytes": store.capacity_bytes,
@@ -175,7 +180,7 @@ class Daemon:
         self._stopping = False
 
     def stats(self):
-        return self.fs.stats()
+        return self._ops_stats.extend(self.fs.stats())
 
     async def command(self, name):
         if name == "flush":
@@ -265,18 +270,34 @@ class Daemon:
         except OSError as exc:
             log.info("could not raise read_ahead_kb: %s", exc)
 
-    # -- operations: systemd notify and the watchdog -----------------------------
+    # -- operations: systemd notify, the watchdog, /metrics, recent rates -----
     def _start_ops(self):
-        """Before mounting: read $NOTIFY_SOCKET."""
+        """Before mounting: read $NOTIFY_SOCKET and bind the metrics port (a busy port fails the mount)."""
         self._notify = Notifier.from_environ()
+        self._ops_stats = OpsStats(self.fs)
+        self._metrics = None
+        if self.options.metrics_port:
+            self._metrics = MetricsServer(self.options.metrics_addr, self.options.metrics_port, self.stats)
 
     async def _serve_ops(self):
-        """Once the mount is live: READY=1, then the watchdog until cancelled."""
-        self._notify.once("READY=1", f"STATUS=serving {self.mountpoint}")
-        await self._notify.watchdog()
+        """Once the mount is live: READY=1, then the watchdog, the rate sampler and /metrics until cancelled."""
+        try:
+            if self._metrics:
+                self._metrics.start(trio.lowlevel.current_trio_token())
+                log.info("serving metrics on http://%s:%d/metrics", self.options.metrics_addr, self._metrics.port)
+            self._notify.once("READY=1", f"STATUS=serving {self.mountpoint}")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._notify.watchdog)
+                nursery.start_soon(self._ops_stats.sample_forever)
+        finally:
+            if self._metrics:
+                with trio.CancelScope(shield=True):
+                    await self._metrics.aclose()
 
     def _begin_stop(self):
         self._notify.once("STOPPING=1", f"STATUS=flushing and unmounting {self.mountpoint}")
 
     def _end_ops(self):
+        if self._metrics:
+            self._metrics.close()
         self._notify.close()

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from .. import metrics
 from ..errors import KvfsError
 from . import Parser, tool
 
@@ -100,6 +101,11 @@ def main(argv):
     s = sub.add_parser("stats", help="print statistics", description="Print the statistics of a mounted kvfs.")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("mountpoint")
+    m = sub.add_parser("metrics", help="print the Prometheus text exposition",
+                       description="Print the statistics of a mounted kvfs in the Prometheus text format "
+                                   "(what the metrics_port= mount option serves at /metrics).")
+    m.add_argument("--json", action="store_true", help="print the metric families as JSON")
+    m.add_argument("mountpoint")
     for name, text in (("flush", "make all written data and metadata durable"),
                        ("drop-caches", "empty kvfs's clean block cache (makes the next reads cold)"),
                        ("checkpoint", "flush, then write a checkpoint and empty the journal"),
@@ -114,6 +120,12 @@ def main(argv):
             print(json.dumps(stats, indent=2, sort_keys=True))
         else:
             print_stats(stats)
+    elif args.command == "metrics":
+        stats = read_stats(mnt)
+        if args.json:
+            print(json.dumps(metrics.as_json(stats), indent=2))
+        else:
+            sys.stdout.write(metrics.exposition(stats))
     elif args.command == "umount":
         umount(mnt)
     else:

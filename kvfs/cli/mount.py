@@ -1,6 +1,7 @@
 """mount.kvfs: mount a kvfs device; also the mount(8) helper for ``-t kvfs``."""
 import argparse
 import errno
+import ipaddress
 import logging
 import math
 import os
@@ -59,6 +60,20 @@ def _delay_ms(value):
     return number / 1000
 
 
+def _port(value):
+    number = _number(int, value)
+    if not 1 <= number <= 65535:
+        raise ValueError("must be a TCP port from 1 to 65535")
+    return number
+
+
+def _ip_address(value):
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError("is not an IPv4 or IPv6 address (e.g. 127.0.0.1, 0.0.0.0, ::1)") from None
+
+
 def parse_options(text):
     """Turn '-o a,b=c' into MountOptions plus the log path.
 
@@ -79,7 +94,8 @@ def parse_options(text):
                 raise KvfsError(f"mount option {name!r} takes no value", errno.EINVAL)
             setattr(opts, name, True)
             continue
-        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "write_delay_ms", "log", "by_hash"}
+        known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "write_delay_ms", "log", "by_hash",
+                                              "metrics_port", "metrics_addr"}
         if name not in known:
             raise KvfsError(f"unknown mount option {name!r}", errno.EINVAL)
         if not value:
@@ -95,6 +111,10 @@ def parse_options(text):
                 if value not in ("root", "owner"):
                     raise ValueError("(use root or owner)")
                 opts.by_hash = value
+            elif name == "metrics_port":
+                opts.metrics_port = _port(value)
+            elif name == "metrics_addr":
+                opts.metrics_addr = _ip_address(value)
             elif name == "write_delay_ms":
                 opts.write_delay = _delay_ms(value)
             else:
@@ -109,6 +129,8 @@ def parse_options(text):
     elif opts.dirty_limit > opts.cache_size:
         raise KvfsError(f"mount option 'dirty_limit' ({opts.dirty_limit} bytes) exceeds "
                         f"'cache_size' ({opts.cache_size} bytes)", errno.EINVAL)
+    if "metrics_addr" in given and "metrics_port" not in given:
+        raise KvfsError("mount option 'metrics_addr' needs 'metrics_port' too", errno.EINVAL)
     if log_path is not None and not os.path.isdir(os.path.dirname(log_path)):
         raise KvfsError(f"log file directory {os.path.dirname(log_path)} does not exist", errno.ENOENT)
     return opts, log_path
@@ -197,6 +219,7 @@ def main(argv):
                            f"({DEFAULT_STORE}, created and formatted on first use).",
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
+                      "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
