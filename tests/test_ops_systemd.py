@@ -68,6 +68,7 @@ def test_unit_is_a_notify_service_that_fuse_survives():
     assert re.fullmatch(r"\d+s", watchdog) and int(watchdog[:-1]) >= 10
     assert s["TimeoutStopSec"] == ["15min"]              # sized for a 16 GiB dirty pool at 20 MB/s
     assert not s.get("ExecStartPost"), "Type=notify needs no polling for the mount"
+    assert any("nvmeof attach" in cmd for cmd in s["ExecStartPre"])
     namespaced = sorted(set(s) & set(MOUNT_NAMESPACE_DIRECTIVES))
     assert not namespaced, f"these put the service in its own mount namespace: {namespaced}"
     assert s["NoNewPrivileges"] == ["yes"]

@@ -1,4 +1,4 @@
-"""kvfs-admin: statistics and control of a mounted kvfs.
+"""kvfs-admin: statistics and control of a mounted kvfs, and NVMe-oF attach.
 
 It talks to the daemon through two extended attributes on the mount root:
 reading ``user.kvfs.stats`` returns JSON statistics (root and the mount's owner
@@ -12,15 +12,17 @@ import argparse
 import errno
 import json
 import os
+import shlex
 import sys
 import time
 
-from .. import metrics
+from .. import metrics, nvmeof
 from ..errors import KvfsError
 from . import Parser, tool
 
 STATS_XATTR = "user.kvfs.stats"
 CONTROL_XATTR = "user.kvfs.control"
+CONF_DIR = "/etc/kvfs"
 CONTROL_COMMANDS = {
     "flush": "make all written data and metadata durable",
     "drop-caches": "empty kvfs's clean block cache (makes the next reads cold)",
@@ -319,6 +321,62 @@ def _json(obj):
     print(json.dumps(obj, sort_keys=True), flush=True)
 
 
+# -- nvmeof ---------------------------------------------------------------------
+def _nvmeof_config(args):
+    if args.config:
+        values = nvmeof.read_env_files(args.config)
+    elif args.instance:
+        files = [os.path.join(CONF_DIR, "kvfs.conf"), os.path.join(CONF_DIR, f"{args.instance}.conf")]
+        values = nvmeof.read_env_files([f for f in files if os.path.exists(f)])
+    else:
+        values = dict(os.environ)
+    return values
+
+
+def nvmeof_command(args):
+    values = _nvmeof_config(args)
+    if not nvmeof.configured(values):
+        if getattr(args, "if_configured", False):
+            return 0
+        where = ", ".join(args.config) if args.config else (
+            f"{CONF_DIR}/kvfs.conf, {CONF_DIR}/{args.instance}.conf" if args.instance else "the environment")
+        raise KvfsError(f"no NVMe-oF settings (NVMEOF_*) in {where}", errno.EINVAL)
+    config = nvmeof.Config.from_mapping(values)
+    if args.action == "command":
+        cmd = config.connect_command()
+        _json(cmd) if args.json else print(shlex.join(cmd))
+        return 0
+    if args.action == "status":
+        st = nvmeof.status(config, sysfs=args.sysfs, dev=args.dev_root)
+        if args.json:
+            _json(st)
+        else:
+            print(f"subsystem   {st['subnqn']}  ({'connected: ' + ', '.join(st['subsystems']) if st['connected'] else 'not connected'})")
+            for c in st["controllers"]:
+                print(f"controller  {c['name']}  {c['state'] or '?'}  {c['transport'] or '?'}  {c['address'] or ''}")
+            print(f"namespace   {st['namespace_wanted']}: "
+                  + (f"{st['device']} (nsid {st['nsid']}{', uuid ' + st['uuid'] if st['uuid'] else ''})"
+                     if st["device"] else "not found"))
+            print(f"state       {'attached' if st['attached'] else 'not attached'}"
+                  + (f": {st['problem']}" if st["problem"] else ""))
+            print(f"connect     {st['connect_command']}")
+        return 0 if st["attached"] else 3
+    # attach
+    if args.link and "DEVICE" in os.environ and os.path.abspath(os.environ["DEVICE"] or "-") != args.link:
+        raise KvfsError(f"NVMe-oF is configured, so set DEVICE={args.link} (the attached namespace), "
+                        f"not DEVICE={os.environ['DEVICE']!r}", errno.EINVAL)
+    ns, connected = nvmeof.attach(config, sysfs=args.sysfs, dev=args.dev_root, link=args.link,
+                                  timeout=args.timeout)
+    result = {"device": ns.device, "nsid": ns.nsid, "uuid": ns.uuid, "subsystem": ns.subsystem,
+              "connected_now": connected, "link": args.link}
+    if args.json:
+        _json(result)
+    else:
+        print(f"{'connected' if connected else 'already connected'}: {config.subnqn} namespace "
+              f"{ns.nsid} is {ns.device}{f' (linked as {args.link})' if args.link else ''}")
+    return 0
+
+
 def _positive_float(text):
     try:
         value = float(text)
@@ -340,7 +398,7 @@ def _positive_int(text):
 
 
 def build_parser():
-    p = Parser(prog="kvfs-admin", description="Inspect and control a mounted kvfs.")
+    p = Parser(prog="kvfs-admin", description="Inspect and control a mounted kvfs; attach its NVMe-oF namespace.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     s = sub.add_parser("stats", help="grouped statistics of a mount (--all: every counter)",
@@ -377,12 +435,40 @@ def build_parser():
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
         sp.add_argument("mountpoint")
 
+    n = sub.add_parser("nvmeof", help="NVMe-oF: connect the namespace, show its state",
+                       description="Attach the NVMe-oF namespace kvfs runs on. Settings (NVMEOF_TRANSPORT, "
+                                   "NVMEOF_TRADDR, NVMEOF_TRSVCID, NVMEOF_SUBNQN, NVMEOF_HOSTNQN, optional "
+                                   "NVMEOF_NSID or NVMEOF_NSUUID) come from --config files, from "
+                                   f"{CONF_DIR}/kvfs.conf and {CONF_DIR}/INSTANCE.conf with --instance, or "
+                                   "else from the environment (as systemd passes them).")
+    nsub = n.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+    for action, text in (("status", "show whether the namespace is connected, and its block device "
+                                    "(exit 0: attached, 3: not attached)"),
+                         ("attach", "run nvme connect unless connected, wait for the namespace's block device"),
+                         ("command", "print the nvme connect command line that attach runs")):
+        a = nsub.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        a.add_argument("--config", action="append", metavar="FILE", help="settings file (repeatable; "
+                                                                          "later ones win)")
+        a.add_argument("--instance", metavar="NAME", help="read the settings of service kvfs@NAME")
+        a.add_argument("--json", action="store_true", help="print JSON")
+        a.add_argument("--sysfs", default=nvmeof.SYSFS, help=argparse.SUPPRESS)
+        a.add_argument("--dev-root", default=nvmeof.DEV, help=argparse.SUPPRESS)
+        if action == "attach":
+            a.add_argument("--if-configured", action="store_true",
+                           help="do nothing (exit 0) when no NVMEOF_* setting is present")
+            a.add_argument("--link", metavar="PATH", help="make PATH a symlink to the namespace's block device")
+            a.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECS",
+                           help="how long to wait for the block device (30 s)")
     return p
 
 
 @tool("kvfs-admin")
 def main(argv):
     args = build_parser().parse_args(argv)
+    if args.command == "nvmeof":
+        if getattr(args, "link", None):
+            args.link = os.path.abspath(args.link)
+        return nvmeof_command(args)
     mnt = os.path.abspath(args.mountpoint)
     if args.command == "stats":
         if args.watch is None:
