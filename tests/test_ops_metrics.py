@@ -163,3 +163,24 @@ def test_exposition_escapes_label_values():
     text = metrics.exposition({"mountpoint": '/mnt/a "b"\\c\nd', "device": "/dev/x", "used_bytes": 1})
     fams = parse(text)
     assert value(fams, "kvfs_info", mountpoint='/mnt/a "b"\\c\nd') == 1
+
+
+def test_grafana_dashboard_uses_only_metrics_kvfs_exports():
+    import json
+    import re
+    from pathlib import Path
+    dash = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-kvfs.json").read_text())
+    exported = {name for name, _, _ in metrics.METRICS.values()} | {"kvfs_info"}
+    exported |= {f"kvfs_device_read_latency_seconds_{s}" for s in ("bucket", "sum", "count")}
+    used = set()
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            used |= set(re.findall(r"\bkvfs_[a-z0-9_]+", target["expr"]))
+    used |= set(re.findall(r"\bkvfs_[a-z0-9_]+", json.dumps(dash["templating"])))
+    assert used and not used - exported, sorted(used - exported)
+    # Counters are only ever used through rate()/increase(), never as raw levels.
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"\bkvfs_[a-z0-9_]+_total\b", target["expr"]):
+                assert re.search(rf"(rate|increase)\({name}\b", target["expr"]), target["expr"]

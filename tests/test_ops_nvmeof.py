@@ -253,3 +253,15 @@ def test_attach_when_connected_links_the_namespace_and_kvfs_mounts_through_it(tm
         assert (fs.mnt / "kv").read_bytes() == b"attached" * 1000
     finally:
         fs.teardown()
+
+
+def test_the_example_settings_file_parses_and_its_nvmeof_lines_make_a_config(tmp_path):
+    example = (REPO / "systemd" / "kvfs.conf.example").read_text()
+    assert not nvmeof.configured(nvmeof.read_env_files([REPO / "systemd" / "kvfs.conf.example"]))
+    enabled = tmp_path / "enabled.conf"
+    lines = [line[1:] if line.startswith(("#NVMEOF_", "#DEVICE=")) else line for line in example.splitlines()]
+    enabled.write_text("\n".join(lines) + "\n")
+    values = nvmeof.read_env_files([enabled])          # as systemd reads it: no trailing comments
+    cfg = nvmeof.Config.from_mapping(values)
+    assert (cfg.transport, cfg.traddr, cfg.trsvcid, cfg.nsid) == ("tcp", "192.0.2.10", "4420", 1)
+    assert values["DEVICE"] == "/run/kvfs/mnt-kvfs/device"
