@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvfs import nvmeof
-from kvfsmount import KvfsMount, run_tool
+from kvfsmount import KvfsMount
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNQN = "nqn.2024-06.io.example:kvfs-pool-a"
