@@ -18,6 +18,9 @@ import trio
 
 from .errors import InvalidArgument, KvfsError
 from .fuseops import KvfsOperations
+from .metrics import MetricsServer
+from .opsstats import OpsStats
+from .sdnotify import Notifier
 from .stack import Filesystem
 
 __all__ = ["Daemon", "Filesystem", "MountOptions", "tune_malloc"]
@@ -39,6 +42,8 @@ class MountOptions:
     high_watermark: float = 0.9       # eviction starts above this fraction of the data region used
     low_watermark: float = 0.8        # ... and stops below this one
     eviction_policy: str = "s3fifo"   # kvfs/namespace/policy.py
+    metrics_port: int = 0             # serve Prometheus /metrics on this port (0: not at all)
+    metrics_addr: str = "127.0.0.1"
 
     @classmethod
     def defaults(cls):
@@ -75,7 +80,7 @@ class Daemon:
         self._stopping = False
 
     def stats(self):
-        return self.fs.stats()
+        return self._ops_stats.extend(self.fs.stats())
 
     async def command(self, text):
         """Run an admin command; returns a JSON-able result for the caller (or None)."""
@@ -102,6 +107,7 @@ class Daemon:
             raise InvalidArgument(f"unknown control command {name!r}")
 
     async def _stop(self):
+        self._begin_stop()
         if not self._stopping:
             self._stopping = True
             pyfuse3.terminate()
@@ -110,6 +116,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("signal %d: flushing and unmounting", signum)
+                self._begin_stop()
                 try:
                     await self.fs.ns.flush_all()
                 except KvfsError as exc:
@@ -118,6 +125,7 @@ class Daemon:
 
     async def serve(self, ready=lambda: None):
         tune_malloc()
+        self._start_ops()
         fuse_options = set(pyfuse3.default_options)       # default_permissions
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
         if self.options.allow_other:
@@ -140,6 +148,7 @@ class Daemon:
                         log.error("could not checkpoint after replay, serving from the journal: %s", exc)
                 nursery.start_soon(self._after_mount, ready)
                 await pyfuse3.main(min_tasks=4, max_tasks=self.options.max_tasks)
+                self._begin_stop()
                 pyfuse3.close(unmount=True)
                 unmounted = True
                 await self.fs.ns.flush_all()
@@ -153,11 +162,13 @@ class Daemon:
         finally:
             if not unmounted:
                 pyfuse3.close(unmount=True)
+            self._end_ops()
 
     async def _after_mount(self, ready):
         # Runs once pyfuse3.main is serving: stat() of the mountpoint needs the daemon.
         await trio.to_thread.run_sync(self._raise_read_ahead)
         ready()
+        await self._serve_ops()
 
     def _raise_read_ahead(self):
         """Widen the kernel readahead window for this mount (128 KiB by default)."""
@@ -168,3 +179,35 @@ class Daemon:
                 f.write(str(self.options.read_ahead_kb))
         except OSError as exc:
             log.info("could not raise read_ahead_kb: %s", exc)
+
+    # -- operations: systemd notify, the watchdog, /metrics, recent rates -----
+    def _start_ops(self):
+        """Before mounting: read $NOTIFY_SOCKET and bind the metrics port (a busy port fails the mount)."""
+        self._notify = Notifier.from_environ()
+        self._ops_stats = OpsStats(self.fs)
+        self._metrics = None
+        if self.options.metrics_port:
+            self._metrics = MetricsServer(self.options.metrics_addr, self.options.metrics_port, self.stats)
+
+    async def _serve_ops(self):
+        """Once the mount is live: READY=1, then the watchdog, the rate sampler and /metrics until cancelled."""
+        try:
+            if self._metrics:
+                self._metrics.start(trio.lowlevel.current_trio_token())
+                log.info("serving metrics on http://%s:%d/metrics", self.options.metrics_addr, self._metrics.port)
+            self._notify.once("READY=1", f"STATUS=serving {self.mountpoint}")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._notify.watchdog)
+                nursery.start_soon(self._ops_stats.sample_forever)
+        finally:
+            if self._metrics:
+                with trio.CancelScope(shield=True):
+                    await self._metrics.aclose()
+
+    def _begin_stop(self):
+        self._notify.once("STOPPING=1", f"STATUS=flushing and unmounting {self.mountpoint}")
+
+    def _end_ops(self):
+        if self._metrics:
+            self._metrics.close()
+        self._notify.close()

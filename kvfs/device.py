@@ -8,6 +8,7 @@ rely on fdatasync for durability).
 Blocking calls run in worker threads through one CapacityLimiter; os.preadv,
 os.pwrite and xxhash release the GIL, so these threads really run in parallel.
 """
+import bisect
 import ctypes
 import ctypes.util
 import dataclasses
@@ -17,6 +18,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 
 import trio
 
@@ -29,6 +31,8 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 BLKDISCARD = 0x1277
 BLKGETSIZE64 = 0x80081272
+# Upper bounds (seconds) of the device read latency histogram (Prometheus "le").
+READ_LATENCY_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,8 @@ class DeviceStatistics:
     discards: int
     reads_in_flight: int
     reads_in_flight_max: int
+    read_latency_counts: tuple = ()     # reads per READ_LATENCY_BOUNDS bucket (not cumulative), then the rest
+    read_latency_sum: float = 0.0       # seconds spent in all reads
 
 
 class Device:
@@ -61,6 +67,8 @@ class Device:
         self._bytes_read = self._bytes_written = 0
         self._reads = self._writes = self._syncs = self._discards = 0
         self._inflight = self._inflight_max = 0
+        self._latency = [0] * (len(READ_LATENCY_BOUNDS) + 1)
+        self._latency_sum = 0.0
         self.discard_supported = True
 
     @classmethod
@@ -122,6 +130,7 @@ class Device:
         with self._lock:
             self._inflight += 1
             self._inflight_max = max(self._inflight_max, self._inflight)
+        began = time.monotonic()
         try:
             done = 0
             with memoryview(buf) as view:
@@ -137,9 +146,12 @@ class Device:
                 self._inflight -= 1
         if done < need:
             raise DeviceError(f"short device read at {start}: got {done} of {need} bytes")
+        took = time.monotonic() - began
         with self._lock:
             self._bytes_read += span
             self._reads += 1
+            self._latency[bisect.bisect_left(READ_LATENCY_BOUNDS, took)] += 1
+            self._latency_sum += took
 
     def read_block_sync(self, off, length, buf=None):
         """Read ``length`` bytes at a sector-aligned ``off`` into a page-aligned buffer.
@@ -267,7 +279,8 @@ class Device:
         with self._lock:
             return DeviceStatistics(self.path, self.size, self.direct_io, self._bytes_read,
                                     self._bytes_written, self._reads, self._writes, self._syncs,
-                                    self._discards, self._inflight, self._inflight_max)
+                                    self._discards, self._inflight, self._inflight_max,
+                                    tuple(self._latency), self._latency_sum)
 
 
 def _open_direct(path, flags):

@@ -134,6 +134,7 @@ class Filesystem:
             "pid": os.getpid(),
             "mountpoint": self.mountpoint,
             "device": dev.path,
+            "device_kind": "block device" if self.device.is_block else "file",
             "direct_io": dev.direct_io,
             "block_size": self.index.block_size,
             "capacity_bytes": store.capacity_bytes,

@@ -2,6 +2,7 @@
 import argparse
 import functools
 import logging
+import os
 import re
 import sys
 
@@ -72,6 +73,9 @@ def tool(prog):
                 cause = root_cause(exc)
                 if isinstance(cause, KeyboardInterrupt):
                     return 130
+                if isinstance(cause, BrokenPipeError):     # "| head" stopped reading: not an error
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                    return 141
                 if isinstance(cause, SystemExit):
                     raise cause from None
                 if not isinstance(cause, (KvfsError, OSError)):

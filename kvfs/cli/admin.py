@@ -1,20 +1,34 @@
-"""kvfs-admin: statistics and control of a mounted kvfs.
+"""kvfs-admin: statistics and control of a mounted kvfs, and NVMe-oF attach.
 
 It talks to the daemon through two extended attributes on the mount root:
-reading ``user.kvfs.stats`` returns JSON statistics, and writing a command to
-``user.kvfs.control`` (root only) runs it and returns when it is done.
+reading ``user.kvfs.stats`` returns JSON statistics (root and the mount's owner
+only), and writing a command to ``user.kvfs.control`` runs it and returns when
+it is done (the daemon refuses other callers with EPERM).
+
+This module must import with only the standard library (tests run it under
+the system Python as an unprivileged user): no trio, no pyfuse3.
 """
+import argparse
 import errno
 import json
 import os
+import shlex
 import sys
 import time
 
-from ..errors import AccessDenied, InvalidArgument, NotFound, NotPermitted, TimedOut, os_error
+from .. import metrics, nvmeof
+from ..errors import AccessDenied, InvalidArgument, KvfsError, NotFound, NotPermitted, TimedOut, os_error
 from . import Parser, evict, tool
 
 STATS_XATTR = "user.kvfs.stats"
 CONTROL_XATTR = "user.kvfs.control"
+CONF_DIR = "/etc/kvfs"
+CONTROL_COMMANDS = {
+    "flush": "make all written data and metadata durable",
+    "drop-caches": "empty kvfs's clean block cache (makes the next reads cold)",
+    "checkpoint": "flush, then write a checkpoint and empty the journal",
+    "umount": "flush, unmount and wait for the daemon to exit",
+}
 
 
 def _not_kvfs(mountpoint, exc):
@@ -24,26 +38,31 @@ def _not_kvfs(mountpoint, exc):
 
 
 def read_stats(mountpoint):
-    if not os.path.isdir(mountpoint):
-        raise NotFound(f"{mountpoint}: no such directory")
     try:
         return json.loads(os.getxattr(mountpoint, STATS_XATTR))
     except OSError as exc:
-        if exc.errno == errno.EACCES:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise NotFound(f"{mountpoint}: no such directory") from None
+        if exc.errno == errno.EACCES:       # the daemon refused, or the kernel did (no allow_other)
             raise AccessDenied(f"{mountpoint}: statistics are readable only by root and the mount's owner") from None
         raise _not_kvfs(mountpoint, exc) from None
+
+
+def _refused(command, mountpoint):
+    return NotPermitted(f"{command} {mountpoint}: permission denied: changing a mounted kvfs needs root "
+                     f"or the mount's owner")
 
 
 def send(mountpoint, command):
     try:
         read_stats(mountpoint)                      # a clear error if this is not kvfs
-    except AccessDenied:
-        raise NotPermitted(f"{mountpoint}: '{command.split()[0]}' needs root or the mount's owner") from None
+    except AccessDenied:                            # it is kvfs, and this caller may not touch it
+        raise _refused(command, mountpoint) from None
     try:
         os.setxattr(mountpoint, CONTROL_XATTR, command.encode())
     except OSError as exc:
-        if exc.errno == errno.EPERM:
-            raise NotPermitted(f"{mountpoint}: '{command.split()[0]}' needs root or the mount's owner") from None
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            raise _refused(command, mountpoint) from None
         raise _not_kvfs(mountpoint, exc) from None
 
 
@@ -70,7 +89,12 @@ def wait_exited(pid, timeout):
 
 def umount(mountpoint, timeout=600):
     """Flush, unmount, and wait until the daemon process has exited."""
-    pid = read_stats(mountpoint)["pid"]
+    try:
+        pid = read_stats(mountpoint)["pid"]
+    except KvfsError as exc:
+        if exc.errno == errno.EACCES:
+            raise _refused("umount", mountpoint) from None
+        raise
     send(mountpoint, "umount")
     deadline = time.monotonic() + timeout
     if wait_exited(pid, timeout):
@@ -82,49 +106,415 @@ def umount(mountpoint, timeout=600):
     raise TimedOut(f"daemon {pid} did not exit within {timeout} s")
 
 
-def _human(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+# -- human units -----------------------------------------------------------------
+def human(n):
+    """Bytes in binary units: 0 B, 1023 B, 1.0 KiB, 4.0 GiB."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
 
 
-def print_stats(stats):
-    width = max(map(len, stats))
-    for name in sorted(stats):
-        value = stats[name]
-        shown = f"{value}  ({_human(value)})" if name.endswith("bytes") and isinstance(value, int) else value
-        print(f"{name:<{width}}  {shown}")
+def rate(n):
+    return "-" if n is None else f"{human(n)}/s"
+
+
+def duration(seconds):
+    seconds = int(seconds or 0)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{days}d"] * bool(days) + [f"{hours}h"] * bool(hours or days) + [f"{minutes}m"]
+    return " ".join(parts) + f" {secs}s" if not days else " ".join(parts)
+
+
+def percent(part, whole):
+    return "-" if not whole else f"{100 * part / whole:.1f}%"
+
+
+def ratio(hits, misses):
+    return percent(hits, hits + misses) if (hits or misses) else "-"
+
+
+def _error_lines(stats):
+    """Errors by kind: every counter named like an error ("corrupt_reads", "*_errors", "errors_*")."""
+    kinds = {"corrupt_reads": "corrupt block reads (served as EIO)"}
+    for key in sorted(stats):
+        if key.endswith("_errors") or key.startswith("errors_"):
+            kinds.setdefault(key, key.replace("_", " "))
+    return [(text, stats[key]) for key, text in kinds.items() if isinstance(stats.get(key), int)]
+
+
+def summary(stats, rates=None):
+    """The grouped, short view of ``kvfs-admin stats`` (like s3qlstat) as a list of lines.
+
+    ``rates``: the current bandwidth as {"read": B/s, "write": B/s, "window_s": s};
+    by default the daemon's own recent rates.
+    """
+    s = stats
+    g = s.get
+    recent = s.get("recent") or {}
+    if rates is None:
+        rates = {"read": recent.get("device_read_bytes_per_s"), "write": recent.get("device_write_bytes_per_s"),
+                 "app_read": recent.get("read_bytes_per_s"), "app_write": recent.get("write_bytes_per_s"),
+                 "window_s": recent.get("window_s")}
+    kind = g("device_kind") or "?"
+    used, cap = g("used_bytes", 0), g("capacity_bytes", 0)
+    lines = [
+        f"mount       {g('mountpoint')}  (daemon pid {g('pid')}, up {duration(g('uptime_s'))})",
+        f"device      {g('device')}  ({kind}{', O_DIRECT' if g('direct_io') else ''}, "
+        f"{human(g('block_size'))} blocks)",
+        "space",
+        f"  capacity  {human(cap)}",
+        f"  used      {human(used)}  ({percent(used, cap)})",
+        f"  free      {human(g('free_bytes'))}",
+        f"  logical   {human(g('logical_bytes'))}  (dedup ratio {g('dedup_ratio', 1.0):.2f})",
+    ]
+    if "pinned_bytes" in s:
+        lines.append(f"  pinned    {human(s['pinned_bytes'])}")
+    lines.append(f"files       {g('files', 0):,}  ({g('directories', 0):,} directories, "
+                 f"{g('unique_blocks', 0):,} unique blocks)")
+    lines += [
+        "cache",
+        f"  dirty     {human(g('dirty_bytes'))} of {human(g('dirty_limit'))} limit"
+        f"  (flush backlog {human(g('flush_backlog_bytes'))})",
+        f"  clean     {human(g('cache_bytes'))} of {human(g('cache_size'))}",
+        f"  hit rate  {ratio(g('cache_hits', 0), g('cache_misses', 0))} in RAM since mount"
+        + (f", {percent(recent['cache_hit_ratio'], 1)} now" if recent.get("cache_hit_ratio") is not None else ""),
+        "I/O",
+        f"  device    read {human(g('device_bytes_read'))}, written {human(g('device_bytes_written'))}",
+        f"  now       device read {rate(rates.get('read'))}, write {rate(rates.get('write'))}"
+        + (f"; files read {rate(rates.get('app_read'))}, write {rate(rates.get('app_write'))}"
+           if rates.get("app_read") is not None else "")
+        + (f"  (last {rates['window_s']:.1f} s)" if rates.get("window_s") else ""),
+    ]
+    if "evictions" in s:
+        lines += ["eviction", f"  evicted   {s['evictions']:,} files, {human(s.get('evicted_bytes', 0))}"]
+    errors = _error_lines(s)
+    lines.append("errors      " + (", ".join(f"{text}: {n}" for text, n in errors) if errors else "none"))
+    return lines
+
+
+def print_all(stats):
+    """Every statistic, one per line (``stats --all``)."""
+    flat = {}
+    for name, value in stats.items():
+        if isinstance(value, dict) and name != metrics.LATENCY_KEY:
+            for sub, v in value.items():
+                flat[f"{name}.{sub}"] = v
+        else:
+            flat[name] = value
+    width = max(map(len, flat))
+    for name in sorted(flat):
+        value = flat[name]
+        if name == metrics.LATENCY_KEY:
+            value = f"{value['count']} reads, {value['sum']:.3f} s in all"
+        elif isinstance(value, int) and not isinstance(value, bool) and (
+                name.endswith("bytes") or name.endswith("_size") or name.endswith("_capacity")
+                or name.endswith("_limit")):
+            value = f"{value}  ({human(value)})"
+        print(f"{name:<{width}}  {value}")
+
+
+# -- sampling: rates between two reads of the statistics ---------------------------------
+RATE_FIELDS = {
+    "read": "bytes_read", "write": "bytes_written",
+    "device_read": "device_bytes_read", "device_write": "device_bytes_written",
+    "read_requests": "read_requests", "write_requests": "write_requests",
+    "hits": "cache_hits", "misses": "cache_misses", "dedup_hits": "dedup_hits",
+    "blocks_written": "blocks_written",
+}
+
+
+def delta(old, new, seconds):
+    seconds = max(seconds, 1e-6)
+    out = {name: max(0, new.get(key, 0) - old.get(key, 0)) / seconds for name, key in RATE_FIELDS.items()}
+    out["window_s"] = seconds
+    lookups = (new.get("cache_hits", 0) - old.get("cache_hits", 0)) + \
+              (new.get("cache_misses", 0) - old.get("cache_misses", 0))
+    out["hit_ratio"] = (new.get("cache_hits", 0) - old.get("cache_hits", 0)) / lookups if lookups else None
+    return out
+
+
+def watch(mnt, interval, count, show):
+    """Read the statistics every ``interval`` seconds; ``show(stats, rates)`` each time."""
+    old, then = read_stats(mnt), time.monotonic()
+    shown = 0
+    try:
+        while count is None or shown < count:
+            time.sleep(interval)
+            new, now = read_stats(mnt), time.monotonic()
+            show(new, delta(old, new, now - then))
+            shown += 1
+            old, then = new, now
+    except KeyboardInterrupt:
+        pass
+
+
+# -- top ------------------------------------------------------------------------
+TOP_COLUMNS = (
+    ("time", 8), ("read/s", 10), ("write/s", 10), ("dev rd/s", 10), ("dev wr/s", 10),
+    ("rreq/s", 7), ("wreq/s", 7), ("hit%", 6), ("dedup%", 6), ("prefetch", 8),
+    ("dirty", 10), ("backlog", 10),
+)
+
+
+def top_row(stats, r):
+    blocks = r["blocks_written"] + r["dedup_hits"]
+    cells = (
+        time.strftime("%H:%M:%S"), rate(r["read"]), rate(r["write"]), rate(r["device_read"]),
+        rate(r["device_write"]), f"{r['read_requests']:.0f}", f"{r['write_requests']:.0f}",
+        "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.0f}",
+        percent(r["dedup_hits"], blocks).rstrip("%") if blocks else "-",
+        str(stats.get("prefetch_inflight", "-")), human(stats.get("dirty_bytes")),
+        human(stats.get("flush_backlog_bytes")),
+    )
+    return "  ".join(c.rjust(w) for c, (_, w) in zip(cells, TOP_COLUMNS))
+
+
+def top_header():
+    return "  ".join(name.rjust(w) for name, w in TOP_COLUMNS)
+
+
+class TopScreen:
+    """A terminal view redrawn in place (plain ANSI: home, clear to end); scrolling rows when not a tty."""
+
+    def __init__(self, out, mnt, tty):
+        self.out, self.mnt, self.tty = out, mnt, tty
+        self.rows = []
+
+    def show(self, stats, r):
+        row = top_row(stats, r)
+        if not self.tty:
+            if not self.rows:
+                print(top_header(), file=self.out)
+            self.rows.append(row)
+            print(row, file=self.out, flush=True)
+            return
+        self.rows.append(row)
+        try:
+            height = os.get_terminal_size(self.out.fileno()).lines
+        except OSError:
+            height = 24
+        head = [
+            f"kvfs top  {self.mnt}  pid {stats.get('pid')}  up {duration(stats.get('uptime_s'))}  "
+            f"(every {r['window_s']:.1f} s, Ctrl-C quits)",
+            f"used {human(stats.get('used_bytes'))} of {human(stats.get('capacity_bytes'))}  "
+            f"files {stats.get('files', 0):,}  dedup {stats.get('dedup_ratio', 1.0):.2f}  "
+            f"open {stats.get('open_handles', 0)}  "
+            f"hit rate {ratio(stats.get('cache_hits', 0), stats.get('cache_misses', 0))} since mount",
+            "", top_header(),
+        ]
+        keep = max(1, height - len(head) - 1)
+        self.rows = self.rows[-keep:]
+        screen = "\n".join(head + self.rows[::-1])       # newest first
+        self.out.write("\x1b[H\x1b[2J" + screen + "\n")
+        self.out.flush()
+
+
+def _json(obj):
+    print(json.dumps(obj, sort_keys=True), flush=True)
+
+
+# -- nvmeof ---------------------------------------------------------------------
+def _nvmeof_config(args):
+    if args.config:
+        values = nvmeof.read_env_files(args.config)
+    elif args.instance:
+        files = [os.path.join(CONF_DIR, "kvfs.conf"), os.path.join(CONF_DIR, f"{args.instance}.conf")]
+        values = nvmeof.read_env_files([f for f in files if os.path.exists(f)])
+    else:
+        values = dict(os.environ)
+    return values
+
+
+def nvmeof_command(args):
+    values = _nvmeof_config(args)
+    if not nvmeof.configured(values):
+        if getattr(args, "if_configured", False):
+            return 0
+        where = ", ".join(args.config) if args.config else (
+            f"{CONF_DIR}/kvfs.conf, {CONF_DIR}/{args.instance}.conf" if args.instance else "the environment")
+        raise InvalidArgument(f"no NVMe-oF settings (NVMEOF_*) in {where}")
+    config = nvmeof.Config.from_mapping(values)
+    if args.action == "command":
+        cmd = config.connect_command()
+        _json(cmd) if args.json else print(shlex.join(cmd))
+        return 0
+    if args.action == "status":
+        st = nvmeof.status(config, sysfs=args.sysfs, dev=args.dev_root)
+        if args.json:
+            _json(st)
+        else:
+            print(f"subsystem   {st['subnqn']}  ({'connected: ' + ', '.join(st['subsystems']) if st['connected'] else 'not connected'})")
+            for c in st["controllers"]:
+                print(f"controller  {c['name']}  {c['state'] or '?'}  {c['transport'] or '?'}  {c['address'] or ''}")
+            print(f"namespace   {st['namespace_wanted']}: "
+                  + (f"{st['device']} (nsid {st['nsid']}{', uuid ' + st['uuid'] if st['uuid'] else ''})"
+                     if st["device"] else "not found"))
+            print(f"state       {'attached' if st['attached'] else 'not attached'}"
+                  + (f": {st['problem']}" if st["problem"] else ""))
+            print(f"connect     {st['connect_command']}")
+        return 0 if st["attached"] else 3
+    # attach
+    if args.link and "DEVICE" in os.environ and os.path.abspath(os.environ["DEVICE"] or "-") != args.link:
+        raise InvalidArgument(f"NVMe-oF is configured, so set DEVICE={args.link} (the attached namespace), "
+                        f"not DEVICE={os.environ['DEVICE']!r}")
+    ns, connected = nvmeof.attach(config, sysfs=args.sysfs, dev=args.dev_root, link=args.link,
+                                  timeout=args.timeout)
+    result = {"device": ns.device, "nsid": ns.nsid, "uuid": ns.uuid, "subsystem": ns.subsystem,
+              "connected_now": connected, "link": args.link}
+    if args.json:
+        _json(result)
+    else:
+        print(f"{'connected' if connected else 'already connected'}: {config.subnqn} namespace "
+              f"{ns.nsid} is {ns.device}{f' (linked as {args.link})' if args.link else ''}")
+    return 0
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return value
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def build_parser():
+    p = Parser(prog="kvfs-admin", description="Inspect and control a mounted kvfs; attach its NVMe-oF namespace.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+
+    s = sub.add_parser("stats", help="grouped statistics of a mount (--all: every counter)",
+                       description="Print a short, grouped summary of a mounted kvfs: space, files, cache, "
+                                   "I/O, errors, uptime. Root and the mount's owner only.")
+    s.add_argument("--json", action="store_true", help="print every statistic as JSON (one object per line "
+                                                        "with --watch)")
+    s.add_argument("--all", action="store_true", help="print every statistic, one per line")
+    s.add_argument("--watch", type=_positive_float, metavar="SECS",
+                   help="print again every SECS seconds, with the bandwidth over that interval")
+    s.add_argument("--count", type=_positive_int, metavar="N", help="with --watch: stop after N reports")
+    s.add_argument("mountpoint")
+
+    t = sub.add_parser("top", help="live view of rates, hit rate, prefetch depth and flush backlog",
+                       description="A live, refreshing view of a mounted kvfs (in the spirit of juicefs stats): "
+                                   "read and write rates of files and of the device, requests per second, "
+                                   "RAM hit rate, dedup hits, prefetch reads in flight, dirty data and flush "
+                                   "backlog. Redraws in place on a terminal; prints one row per interval "
+                                   "otherwise. Ctrl-C quits.")
+    t.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECS", help="refresh period (1 s)")
+    t.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
+    t.add_argument("--json", action="store_true", help="print one JSON object of rates per interval")
+    t.add_argument("mountpoint")
+
+    m = sub.add_parser("metrics", help="print the Prometheus text exposition",
+                       description="Print the statistics of a mounted kvfs in the Prometheus text format "
+                                   "(what the metrics_port= mount option serves at /metrics).")
+    m.add_argument("--json", action="store_true", help="print the metric families as JSON")
+    m.add_argument("mountpoint")
+
+    for name, text in CONTROL_COMMANDS.items():
+        sp = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] +
+                            ". Needs root or the mount's owner.")
+        sp.add_argument("--json", action="store_true", help="print the result as JSON")
+        sp.add_argument("mountpoint")
+
+    n = sub.add_parser("nvmeof", help="NVMe-oF: connect the namespace, show its state",
+                       description="Attach the NVMe-oF namespace kvfs runs on. Settings (NVMEOF_TRANSPORT, "
+                                   "NVMEOF_TRADDR, NVMEOF_TRSVCID, NVMEOF_SUBNQN, NVMEOF_HOSTNQN, optional "
+                                   "NVMEOF_NSID or NVMEOF_NSUUID) come from --config files, from "
+                                   f"{CONF_DIR}/kvfs.conf and {CONF_DIR}/INSTANCE.conf with --instance, or "
+                                   "else from the environment (as systemd passes them).")
+    nsub = n.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+    for action, text in (("status", "show whether the namespace is connected, and its block device "
+                                    "(exit 0: attached, 3: not attached)"),
+                         ("attach", "run nvme connect unless connected, wait for the namespace's block device"),
+                         ("command", "print the nvme connect command line that attach runs")):
+        a = nsub.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        a.add_argument("--config", action="append", metavar="FILE", help="settings file (repeatable; "
+                                                                          "later ones win)")
+        a.add_argument("--instance", metavar="NAME", help="read the settings of service kvfs@NAME")
+        a.add_argument("--json", action="store_true", help="print JSON")
+        a.add_argument("--sysfs", default=nvmeof.SYSFS, help=argparse.SUPPRESS)
+        a.add_argument("--dev-root", default=nvmeof.DEV, help=argparse.SUPPRESS)
+        if action == "attach":
+            a.add_argument("--if-configured", action="store_true",
+                           help="do nothing (exit 0) when no NVMEOF_* setting is present")
+            a.add_argument("--link", metavar="PATH", help="make PATH a symlink to the namespace's block device")
+            a.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECS",
+                           help="how long to wait for the block device (30 s)")
+    evict.add_commands(sub)
+    return p
 
 
 @tool("kvfs-admin")
 def main(argv):
-    p = Parser(prog="kvfs-admin", description="Inspect and control a mounted kvfs.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
-    s = sub.add_parser("stats", help="print statistics", description="Print the statistics of a mounted kvfs.")
-    s.add_argument("--json", action="store_true", help="print JSON")
-    s.add_argument("mountpoint")
-    for name, text in (("flush", "make all written data and metadata durable"),
-                       ("drop-caches", "empty kvfs's clean block cache (makes the next reads cold)"),
-                       ("checkpoint", "flush, then write a checkpoint and empty the journal"),
-                       ("umount", "flush, unmount and wait for the daemon to exit")):
-        sp = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        sp.add_argument("mountpoint")
-    evict.add_commands(sub)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command in ("evict", "pin", "unpin"):
-        return evict.run(args, send, _human)
+        return evict.run(args, send, human)
+    if args.command == "nvmeof":
+        if getattr(args, "link", None):
+            args.link = os.path.abspath(args.link)
+        return nvmeof_command(args)
     mnt = os.path.abspath(args.mountpoint)
     if args.command == "stats":
+        if args.watch is None:
+            stats = read_stats(mnt)
+            if args.json:
+                print(json.dumps(stats, indent=2, sort_keys=True))
+            elif args.all:
+                print_all(stats)
+            else:
+                print("\n".join(summary(stats)))
+            return 0
+
+        def show(stats, r):
+            if args.json:
+                _json({**stats, "interval": r})
+            elif args.all:
+                print_all(stats)
+                print(flush=True)
+            else:
+                print("\n".join(summary(stats, {"read": r["device_read"], "write": r["device_write"],
+                                               "app_read": r["read"], "app_write": r["write"],
+                                               "window_s": r["window_s"]})) + "\n", flush=True)
+        watch(mnt, args.watch, args.count, show)
+    elif args.command == "top":
+        if args.json:
+            watch(mnt, args.interval, args.count,
+                  lambda stats, r: _json({"time": time.time(), **r,
+                                          "prefetch_inflight": stats.get("prefetch_inflight"),
+                                          "dirty_bytes": stats.get("dirty_bytes"),
+                                          "flush_backlog_bytes": stats.get("flush_backlog_bytes")}))
+        else:
+            screen = TopScreen(sys.stdout, mnt, sys.stdout.isatty())
+            watch(mnt, args.interval, args.count, screen.show)
+    elif args.command == "metrics":
         stats = read_stats(mnt)
         if args.json:
-            print(json.dumps(stats, indent=2, sort_keys=True))
+            print(json.dumps(metrics.as_json(stats), indent=2))
         else:
-            print_stats(stats)
-    elif args.command == "umount":
-        umount(mnt)
+            sys.stdout.write(metrics.exposition(stats))
     else:
-        send(mnt, args.command)
+        began = time.monotonic()
+        umount(mnt) if args.command == "umount" else send(mnt, args.command)
+        if args.json:
+            _json({"command": args.command, "mountpoint": mnt, "ok": True,
+                   "seconds": round(time.monotonic() - began, 3)})
+    return 0
 
 
 if __name__ == "__main__":

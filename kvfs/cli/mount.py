@@ -1,5 +1,6 @@
 """mount.kvfs: mount a kvfs device; also the mount(8) helper for ``-t kvfs``."""
 import argparse
+import ipaddress
 import logging
 import math
 import os
@@ -59,6 +60,20 @@ def _percent(value):
     return number / 100
 
 
+def _port(value):
+    number = _number(int, value)
+    if not 1 <= number <= 65535:
+        raise ValueError("must be a TCP port from 1 to 65535")
+    return number
+
+
+def _ip_address(value):
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError("is not an IPv4 or IPv6 address (e.g. 127.0.0.1, 0.0.0.0, ::1)") from None
+
+
 def parse_options(text):
     """Turn '-o a,b=c' into MountOptions plus the log path.
 
@@ -80,7 +95,8 @@ def parse_options(text):
             setattr(opts, name, True)
             continue
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
-                                              "low_watermark", "eviction_policy"}
+                                              "low_watermark", "eviction_policy", "metrics_port",
+                                              "metrics_addr"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -102,6 +118,10 @@ def parse_options(text):
                 if value not in POLICIES:
                     raise ValueError(f"(use {' or '.join(sorted(POLICIES))})")
                 opts.eviction_policy = value
+            elif name == "metrics_port":
+                opts.metrics_port = _port(value)
+            elif name == "metrics_addr":
+                opts.metrics_addr = _ip_address(value)
             else:
                 log_path = os.path.abspath(value)
         except argparse.ArgumentTypeError as exc:          # parse_size names the value itself
@@ -117,6 +137,8 @@ def parse_options(text):
     elif opts.dirty_limit > opts.cache_size:
         raise InvalidArgument(f"mount option 'dirty_limit' ({opts.dirty_limit} bytes) exceeds "
                               f"'cache_size' ({opts.cache_size} bytes)")
+    if "metrics_addr" in given and "metrics_port" not in given:
+        raise InvalidArgument("mount option 'metrics_addr' needs 'metrics_port' too")
     if log_path is not None and not os.path.isdir(os.path.dirname(log_path)):
         raise NotFound(f"log file directory {os.path.dirname(log_path)} does not exist")
     return opts, log_path
@@ -207,6 +229,7 @@ def main(argv):
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru, "
+                      "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",

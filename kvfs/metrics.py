@@ -1,0 +1,269 @@
+"""Prometheus metrics: the daemon's statistics in the text exposition format.
+
+One function turns the statistics dict (the same one ``kvfs-admin stats --json``
+prints) into metric families, so ``kvfs-admin metrics MOUNTPOINT`` and the
+daemon's ``/metrics`` endpoint (mount option ``metrics_port=``) print the same
+thing. Names follow Prometheus conventions: a ``kvfs_`` prefix, base units
+(bytes, seconds), ``_total`` on counters, ``_bytes`` on sizes.
+
+The HTTP endpoint runs in its own thread and never touches kvfs state there:
+for each scrape it asks the trio loop for a statistics snapshot
+(``TrioToken.run_sync_soon``) and gives up with 503 after a timeout, so a busy
+or hung loop cannot wedge the scraper and the scraper can never block the loop.
+
+The text format is small and fixed (version 0.0.4); it is written here rather
+than with prometheus_client so that mounting needs no extra package. The tests
+parse the output with prometheus_client's own parser.
+"""
+import dataclasses
+import http.server
+import logging
+import math
+import socket
+import threading
+
+from . import __version__
+from .errors import os_error
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SCRAPE_TIMEOUT = 5.0            # seconds a scrape waits for the event loop
+
+# stats key -> (metric name, type, help). Counters only ever grow while mounted.
+GAUGE, COUNTER = "gauge", "counter"
+METRICS = {
+    "capacity_bytes": ("kvfs_capacity_bytes", GAUGE, "Bytes the store can hold for block data."),
+    "used_bytes": ("kvfs_used_bytes", GAUGE, "Bytes of block data stored on the device (after dedup)."),
+    "free_bytes": ("kvfs_free_bytes", GAUGE, "Bytes still free for block data."),
+    "logical_bytes": ("kvfs_logical_bytes", GAUGE, "Sum of file sizes, as the engines see them."),
+    "dedup_ratio": ("kvfs_dedup_ratio", GAUGE, "Logical bytes per stored byte."),
+    "unique_blocks": ("kvfs_unique_blocks", GAUGE, "Distinct blocks stored."),
+    "files": ("kvfs_files", GAUGE, "Regular files."),
+    "directories": ("kvfs_directories", GAUGE, "Directories."),
+    "open_handles": ("kvfs_open_handles", GAUGE, "Open file handles."),
+    "block_size": ("kvfs_block_size_bytes", GAUGE, "Block size of the store."),
+    "metadata_bytes": ("kvfs_metadata_used_bytes", GAUGE, "Bytes of metadata space in use."),
+    "metadata_capacity": ("kvfs_metadata_capacity_bytes", GAUGE, "Bytes of metadata space."),
+    "journal_bytes": ("kvfs_journal_used_bytes", GAUGE, "Bytes of journal written since the last checkpoint."),
+    "journal_capacity": ("kvfs_journal_capacity_bytes", GAUGE, "Bytes of journal space."),
+    "generation": ("kvfs_generation", GAUGE, "Checkpoint generation of the store."),
+    "cache_size": ("kvfs_cache_size_bytes", GAUGE, "RAM given to the block cache (cache_size)."),
+    "cache_bytes": ("kvfs_cache_clean_bytes", GAUGE, "Clean blocks held in RAM."),
+    "dirty_bytes": ("kvfs_cache_dirty_bytes", GAUGE, "Written data not yet on the device."),
+    "dirty_limit": ("kvfs_cache_dirty_limit_bytes", GAUGE, "Dirty data at which writers wait (dirty_limit)."),
+    "dirty_bytes_max": ("kvfs_cache_dirty_max_bytes", GAUGE, "Most dirty data seen since mount."),
+    "flush_backlog_bytes": ("kvfs_flush_backlog_bytes", GAUGE, "Dirty blocks waiting to be written."),
+    "prefetch_inflight": ("kvfs_prefetch_reads_in_flight", GAUGE, "Prefetch device reads in flight now."),
+    "prefetch_inflight_max": ("kvfs_prefetch_reads_in_flight_max", GAUGE,
+                              "Most prefetch reads in flight at once since mount."),
+    "device_reads_inflight": ("kvfs_device_reads_in_flight", GAUGE, "Device reads in flight now."),
+    "device_reads_inflight_max": ("kvfs_device_reads_in_flight_max", GAUGE,
+                                  "Most device reads in flight at once since mount."),
+    "uptime_s": ("kvfs_uptime_seconds", GAUGE, "Seconds since the filesystem was mounted."),
+    "cache_hits": ("kvfs_cache_hits_total", COUNTER, "Block reads served from RAM."),
+    "cache_misses": ("kvfs_cache_misses_total", COUNTER, "Block reads that went to the device."),
+    "bytes_read": ("kvfs_read_bytes_total", COUNTER, "Bytes read by applications."),
+    "bytes_written": ("kvfs_written_bytes_total", COUNTER, "Bytes written by applications."),
+    "read_requests": ("kvfs_read_requests_total", COUNTER, "FUSE read requests."),
+    "write_requests": ("kvfs_write_requests_total", COUNTER, "FUSE write requests."),
+    "device_bytes_read": ("kvfs_device_read_bytes_total", COUNTER, "Bytes read from the device."),
+    "device_bytes_written": ("kvfs_device_written_bytes_total", COUNTER,
+                             "Bytes written to the device (data and metadata)."),
+    "data_bytes_written": ("kvfs_data_written_bytes_total", COUNTER, "Block data bytes written to the device."),
+    "blocks_written": ("kvfs_blocks_written_total", COUNTER, "Blocks written to the device."),
+    "dedup_hits": ("kvfs_dedup_hits_total", COUNTER, "Blocks not written because an identical one was stored."),
+    "zero_blocks": ("kvfs_zero_blocks_total", COUNTER, "All-zero blocks stored as holes."),
+    "writers_throttled": ("kvfs_writers_throttled_total", COUNTER, "Writes that waited for the dirty limit."),
+    "corrupt_reads": ("kvfs_corrupt_reads_total", COUNTER,
+                      "Device reads whose content did not match its key (served as EIO)."),
+    "commits": ("kvfs_commits_total", COUNTER, "Journal commits."),
+    "checkpoints": ("kvfs_checkpoints_total", COUNTER, "Checkpoints written."),
+}
+# Statistics with no metric of their own: labels of kvfs_info, or derived values
+# that Prometheus computes better itself (rate() over the counters).
+NOT_EXPORTED = {"pid", "mountpoint", "device", "device_kind", "direct_io", "read_bytes_per_s",
+                "write_bytes_per_s", "recent", "device_read_latency_seconds"}
+LATENCY_KEY = "device_read_latency_seconds"
+
+
+@dataclasses.dataclass
+class Family:
+    name: str                   # counters keep their _total, as prometheus_client writes them
+    type: str
+    help: str
+    samples: list               # (sample name, {label: value}, number)
+
+
+def families(stats):
+    """The metric families for one statistics dict (keys it lacks are left out)."""
+    out = [Family("kvfs_info", GAUGE, "kvfs version and the device and mountpoint of this mount.",
+                  [("kvfs_info", {"version": __version__,
+                                  "mountpoint": str(stats.get("mountpoint") or ""),
+                                  "device": str(stats.get("device", "")),
+                                  "device_kind": str(stats.get("device_kind", "")),
+                                  "direct_io": str(bool(stats.get("direct_io", False))).lower()}, 1)])]
+    for key, (name, kind, text) in METRICS.items():
+        value = stats.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out.append(Family(name, kind, text, [(name, {}, value)]))
+    hist = stats.get(LATENCY_KEY)
+    if hist:
+        samples = [("kvfs_device_read_latency_seconds_bucket", {"le": _le(le)}, n)
+                   for le, n in zip(hist["le"], hist["counts"])]
+        samples.append(("kvfs_device_read_latency_seconds_bucket", {"le": "+Inf"}, hist["count"]))
+        samples.append(("kvfs_device_read_latency_seconds_sum", {}, hist["sum"]))
+        samples.append(("kvfs_device_read_latency_seconds_count", {}, hist["count"]))
+        out.append(Family("kvfs_device_read_latency_seconds", "histogram",
+                          "Time one device read took (one block, or one metadata read).", samples))
+    return out
+
+
+def _le(bound):
+    return repr(float(bound))
+
+
+def _number(value):
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _escape(text, quote=True):
+    text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return text.replace('"', '\\"') if quote else text
+
+
+def exposition(stats):
+    """Prometheus text exposition (format 0.0.4) of one statistics dict."""
+    lines = []
+    for fam in families(stats):
+        lines.append(f"# HELP {fam.name} {_escape(fam.help, quote=False)}")
+        lines.append(f"# TYPE {fam.name} {fam.type}")
+        for name, labels, value in fam.samples:
+            tags = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            lines.append(f"{name}{{{tags}}} {_number(value)}" if tags else f"{name} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def as_json(stats):
+    """The same families as plain data, for ``kvfs-admin metrics --json``."""
+    return [{"name": f.name, "type": f.type, "help": f.help,
+             "samples": [{"name": n, "labels": labels, "value": v} for n, labels, v in f.samples]}
+            for f in families(stats)]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server_version = "kvfs-metrics"
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path not in ("/metrics", "/"):
+            return self._reply(404, "text/plain; charset=utf-8", "not found: kvfs serves /metrics\n")
+        if path == "/":
+            return self._reply(200, "text/html; charset=utf-8",
+                               '<html><body><a href="/metrics">/metrics</a></body></html>\n')
+        try:
+            stats = self.server.snapshot()
+        except TimeoutError:
+            return self._reply(503, "text/plain; charset=utf-8",
+                               f"kvfs daemon did not answer within {self.server.timeout_s:g} s\n")
+        except Exception as exc:  # noqa: BLE001 - a scrape failure must not kill the thread
+            return self._reply(500, "text/plain; charset=utf-8", f"kvfs statistics failed: {exc}\n")
+        self._reply(200, CONTENT_TYPE, exposition(stats))
+
+    def _reply(self, code, content_type, body):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_HEAD = do_GET
+
+    def log_message(self, fmt, *args):          # scrapes every 15 s would flood the log
+        log.debug("metrics %s: %s", self.address_string(), fmt % args)
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, family):
+        self.address_family = family
+        super().__init__(address, _Handler)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP, in a thread, with snapshots taken inside the trio loop.
+
+    Create it (this binds the port, so a port in use fails the mount before
+    anything is mounted), :meth:`start` it from inside the loop, and
+    :meth:`aclose` it when the daemon stops.
+    """
+
+    def __init__(self, addr, port, stats_fn, *, timeout=SCRAPE_TIMEOUT):
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        try:
+            self.httpd = _HTTPServer((addr, port), family)
+        except OSError as exc:
+            raise os_error(exc, f"metrics_port: cannot listen on {addr} port {port}: {exc.strerror or exc}") from None
+        self.httpd.snapshot = self._snapshot
+        self.httpd.timeout_s = timeout
+        self.stats_fn = stats_fn
+        self.timeout = timeout
+        self.token = None
+        self._thread = None
+
+    @property
+    def port(self):
+        return self.httpd.server_address[1]
+
+    def start(self, trio_token):
+        self.token = trio_token
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="kvfs-metrics", daemon=True)
+        self._thread.start()
+
+    def _snapshot(self):
+        """Called in an HTTP thread: run ``stats_fn`` in the trio loop, wait at most ``timeout``."""
+        import trio                 # here, not at the top: kvfs-admin imports this module without trio
+        done = threading.Event()
+        box = {}
+
+        def grab():
+            try:
+                box["stats"] = self.stats_fn()
+            except Exception as exc:  # noqa: BLE001 - handed to the HTTP thread
+                box["error"] = exc
+            done.set()
+
+        try:
+            self.token.run_sync_soon(grab)
+        except trio.RunFinishedError:
+            raise TimeoutError from None
+        if not done.wait(self.timeout):
+            raise TimeoutError
+        if "error" in box:
+            raise box["error"]
+        return box["stats"]
+
+    async def aclose(self):
+        import trio
+        if self._thread is not None:
+            await trio.to_thread.run_sync(self.httpd.shutdown)
+            self._thread = None
+        self.httpd.server_close()
+
+    def close(self):
+        """Release the port of a server that was never started."""
+        if self._thread is None:
+            self.httpd.server_close()
