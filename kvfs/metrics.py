@@ -78,11 +78,18 @@ METRICS = {
     "corrupt_reads": ("kvfs_corrupt_reads_total", COUNTER,
                       "Device reads whose content did not match its key (served as EIO)."),
     "commits": ("kvfs_commits_total", COUNTER, "Journal commits."),
+    "evictions": ("kvfs_evictions_total", COUNTER, "Files evicted to make room."),
+    "evicted_bytes": ("kvfs_evicted_bytes_total", COUNTER, "Bytes of the files evicted."),
+    "pinned_files": ("kvfs_pinned_files", GAUGE, "Files pinned against eviction."),
+    "pinned_bytes": ("kvfs_pinned_bytes", GAUGE, "Bytes of the pinned files."),
+    "used_fraction": ("kvfs_used_ratio", GAUGE, "Share of the data region in use (0..1)."),
+    "high_watermark": ("kvfs_eviction_high_watermark_ratio", GAUGE, "Eviction starts above this share used."),
+    "low_watermark": ("kvfs_eviction_low_watermark_ratio", GAUGE, "Eviction stops below this share used."),
     "checkpoints": ("kvfs_checkpoints_total", COUNTER, "Checkpoints written."),
 }
 # Statistics with no metric of their own: labels of kvfs_info, or derived values
 # that Prometheus computes better itself (rate() over the counters).
-NOT_EXPORTED = {"pid", "mountpoint", "device", "device_kind", "direct_io", "read_bytes_per_s",
+NOT_EXPORTED = {"pid", "mountpoint", "device", "device_kind", "direct_io", "eviction_policy", "read_bytes_per_s",
                 "write_bytes_per_s", "recent", "device_read_latency_seconds"}
 LATENCY_KEY = "device_read_latency_seconds"
 
@@ -102,6 +109,7 @@ def families(stats):
                                   "mountpoint": str(stats.get("mountpoint") or ""),
                                   "device": str(stats.get("device", "")),
                                   "device_kind": str(stats.get("device_kind", "")),
+                                  "eviction_policy": str(stats.get("eviction_policy", "")),
                                   "direct_io": str(bool(stats.get("direct_io", False))).lower()}, 1)])]
     for key, (name, kind, text) in METRICS.items():
         value = stats.get(key)
