@@ -42,6 +42,7 @@ class MountOptions:
     high_watermark: float = 0.9       # eviction starts above this fraction of the data region used
     low_watermark: float = 0.8        # ... and stops below this one
     eviction_policy: str = "s3fifo"   # kvfs/namespace/policy.py
+    io_retry: float = 10.0            # seconds a failing device transfer is retried (a path reconnect)
     metrics_port: int = 0             # serve Prometheus /metrics on this port (0: not at all)
     metrics_addr: str = "127.0.0.1"
 

@@ -30,6 +30,9 @@ _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 BLKDISCARD = 0x1277
+# What I/O on a lost path returns: retried within the device's retry window.
+RETRIED_ERRNOS = {errno.EIO, errno.ENOLINK, errno.ENOTCONN, errno.ETIMEDOUT, errno.ENXIO,
+                  errno.EREMOTEIO, errno.ENODEV}
 BLKGETSIZE64 = 0x80081272
 # Upper bounds (seconds) of the device read latency histogram (Prometheus "le").
 READ_LATENCY_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -50,12 +53,13 @@ class DeviceStatistics:
     reads_in_flight_max: int
     read_latency_counts: tuple = ()     # reads per READ_LATENCY_BOUNDS bucket (not cumulative), then the rest
     read_latency_sum: float = 0.0       # seconds spent in all reads
+    retries: int = 0                    # transfers retried within the retry window
 
 
 class Device:
     """An open kvfs device. Use :meth:`open`; close with :meth:`close`."""
 
-    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64):
+    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64, retry_window=0.0):
         self.path = str(path)
         self.fd = fd
         self.size = size
@@ -70,6 +74,10 @@ class Device:
         self._latency = [0] * (len(READ_LATENCY_BOUNDS) + 1)
         self._latency_sum = 0.0
         self.discard_supported = True
+        # Seconds a failing transfer is retried before it becomes an error: an
+        # NVMe-oF controller reconnect fails I/O for a while, then recovers.
+        self.retry_window = retry_window
+        self._retries = 0
 
     @classmethod
     def open(cls, path, *, readonly=False, lock=True, **kw):
@@ -135,7 +143,7 @@ class Device:
             done = 0
             with memoryview(buf) as view:
                 while done < span:
-                    n = self._sys_preadv(view[done:span], start + done)
+                    n = self._retrying(self._sys_preadv, view[done:span], start + done)
                     if n == 0:
                         break
                     done += n
@@ -193,7 +201,7 @@ class Device:
             done = 0
             while done < span:
                 with memoryview(buf) as view:
-                    n = self._sys_pwrite(view[done:span], off + done)
+                    n = self._retrying(self._sys_pwrite, view[done:span], off + done)
                 if n == 0:
                     raise DeviceError(f"device write at {off} made no progress")
                 done += n
@@ -205,7 +213,13 @@ class Device:
 
     def sync_sync(self):
         try:
-            self._sys_fdatasync()
+            # Only with O_DIRECT is a retried flush honest: with buffered I/O a
+            # failed fdatasync may already have dropped the dirty pages it failed
+            # to write, and a second call would report success for lost data.
+            if self.direct_io:
+                self._retrying(self._sys_fdatasync)
+            else:
+                self._sys_fdatasync()
         except OSError as exc:
             raise device_error(exc, f"device flush failed: {exc.strerror}") from None
         with self._lock:
@@ -239,6 +253,25 @@ class Device:
             raise device_error(exc, f"discard at {off} failed: {exc.strerror}") from None
         with self._lock:
             self._discards += 1
+
+    def _retrying(self, call, *args):
+        """``call(*args)``, retried with backoff for up to ``retry_window`` seconds on the
+        errors a lost path gives (then the last error stands). Runs in a worker thread."""
+        deadline, pause = None, 0.05
+        while True:
+            try:
+                return call(*args)
+            except OSError as exc:
+                if exc.errno not in RETRIED_ERRNOS or self.retry_window <= 0:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.retry_window
+                if now >= deadline:
+                    raise
+                with self._lock:
+                    self._retries += 1
+                time.sleep(min(pause, deadline - now))
+                pause = min(pause * 2, 1.0)
 
     # -- the system calls: every transfer above goes through exactly these ----
     # One call each, no checks: the callers handle short transfers and errors.
@@ -280,7 +313,7 @@ class Device:
             return DeviceStatistics(self.path, self.size, self.direct_io, self._bytes_read,
                                     self._bytes_written, self._reads, self._writes, self._syncs,
                                     self._discards, self._inflight, self._inflight_max,
-                                    tuple(self._latency), self._latency_sum)
+                                    tuple(self._latency), self._latency_sum, self._retries)
 
 
 def _open_direct(path, flags):

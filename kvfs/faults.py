@@ -22,7 +22,10 @@ every run. A rule is a JSON object::
      "count": n,               fire at most n times; default: no limit
      "effect": one of
         "delay"  sleep "seconds" before the call (a slow device, a latency spike)
-        "eio"    the call fails with EIO; Device raises its usual DeviceError
+        "eio"    the call fails with EIO; Device raises its usual DeviceError.
+                 With "seconds", only inside a window like a stall's: a path
+                 loss whose errors come back at once (fast_io_fail_tmo), which
+                 the device retries for its bounded reconnect time
         "short"  read or write: the call transfers half of what was asked, in
                  whole sectors, and nothing once less than two sectors are left.
                  One short call is absorbed by Device's retry loop; a rule that
@@ -248,7 +251,8 @@ class FaultyDevice:
                 if rule.count is not None and self._fired[i] >= rule.count:
                     continue
                 start = self._armed + rule.after
-                if rule.effect == "stall" and not start <= now < start + rule.seconds:
+                windowed = rule.effect == "stall" or (rule.effect == "eio" and rule.seconds)
+                if windowed and not start <= now < start + rule.seconds:
                     continue
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
                     continue

@@ -17,9 +17,9 @@ from .namespace import Namespace, Tree
 from .store import ExtentStore
 
 
-def open_device(path, *, readonly=False):
+def open_device(path, *, readonly=False, retry_window=0.0):
     """The device at ``path``; under a test fault plan ($KVFS_TEST_FAULTS, kvfs/faults.py) wrapped in it."""
-    device = Device.open(path, readonly=readonly)
+    device = Device.open(path, readonly=readonly, retry_window=retry_window)
     try:
         return faults.from_environment(device)
     except BaseException:
@@ -97,7 +97,7 @@ class Filesystem:
         is the clock of every timestamp the namespace writes (tests pass a
         deterministic one).
         """
-        device = open_device(path, readonly=readonly)
+        device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0))
         try:
             store = ExtentStore.open(device)
             if not readonly:
@@ -157,6 +157,8 @@ class Filesystem:
             "cache_misses": cache.cache_misses,
             "prefetch_inflight_max": cache.prefetch_inflight_max,
             "device_reads_inflight_max": dev.reads_in_flight_max,
+            "device_io_retries": dev.retries,
+            "io_retry_s": self.device.retry_window,
             "device_bytes_written": dev.bytes_written,
             "device_bytes_read": dev.bytes_read,
             "data_bytes_written": idx.data_bytes_written,

@@ -211,7 +211,7 @@ def test_corrupt_block_gives_eio_and_fsck_repairs(kvfs):
 
 
 def test_full_device_enospc_then_delete_frees(kvfs_factory):
-    fs = kvfs_factory(size="160M")
+    fs = kvfs_factory(size="160M", mount_options=["eviction_policy=none"])   # ENOSPC, not eviction
     fs.mkfs()
     fs.mount()
     mnt = fs.mnt

@@ -65,9 +65,10 @@ def test_slow_device_keeps_close_at_memory_speed(kvfs_factory):
     assert (fs.mnt / "chunk").read_bytes() == data
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 @pytest.mark.parametrize("effect", ["eio", "flip"])
 def test_bad_reads_give_eio_never_wrong_bytes(kvfs_factory, effect):
-    fs = kvfs_factory(faults=[])
+    fs = kvfs_factory(faults=[], mount_options=["io_retry=0"])     # a dead sector: no path to wait for
     fs.mkfs()
     fs.mount()
     victim, other, victim_range = two_files(fs)
@@ -131,3 +132,32 @@ def test_stall_window_delays_reads_then_completes_them(kvfs_factory):
     # 2 * RELOAD_INTERVAL before the read began.
     assert result["elapsed"] >= stall - 0.4, result["elapsed"]
     assert fs.stats()["faults_injected"]["stall"] >= 1
+
+
+def test_a_reconnect_window_is_retried_and_a_longer_one_gives_eio(kvfs_factory):
+    """An NVMe-oF controller reconnect that fails I/O fast: reads inside io_retry
+    succeed once the path is back; a path loss longer than io_retry gives EIO,
+    within a bound, and the daemon keeps serving."""
+    fs = kvfs_factory(faults=[], mount_options=["io_retry=3"])
+    fs.mkfs()
+    fs.mount()
+    victim, other, victim_range = two_files(fs)
+    fs.umount()
+    fs.set_faults([{"op": "read", "range": victim_range, "effect": "eio", "seconds": 1.5}])
+    fs.mount()
+    t0 = time.monotonic()
+    assert (fs.mnt / "victim").read_bytes() == victim          # retried until the path came back
+    assert time.monotonic() - t0 >= 0.5
+    stats = fs.stats()
+    assert stats["device_io_retries"] > 0 and stats["faults_injected"]["eio"] > 0, stats
+    fs.umount()
+    fs.set_faults([{"op": "read", "range": victim_range, "effect": "eio", "seconds": 30}])
+    fs.mount()
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as info:
+        (fs.mnt / "victim").read_bytes()
+    waited = time.monotonic() - t0
+    assert info.value.errno == errno.EIO
+    assert 2.5 <= waited < 20, f"gave up after {waited:.1f} s, io_retry is 3 s"
+    assert (fs.mnt / "other").read_bytes() == other             # the rest is served meanwhile
+    fs.set_faults([])

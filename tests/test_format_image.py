@@ -68,7 +68,7 @@ def check_tree(mnt: Path, manifest):
 
 def test_images_are_kept():
     """The image of the current format is among them (make_image.py makes it)."""
-    from kvfs.format import FORMAT_VERSION
+    from kvfs.schema import FORMAT_VERSION
     assert IMAGES / f"format-v{FORMAT_VERSION}.json" in MANIFESTS, (
         f"no image of format version {FORMAT_VERSION} in {IMAGES}: run tests/images/make_image.py")
     for manifest in MANIFESTS:

@@ -60,6 +60,13 @@ def _percent(value):
     return number / 100
 
 
+def _retry_seconds(value):
+    number = _number(float, value)
+    if not (math.isfinite(number) and 0 <= number <= 600):
+        raise ValueError("must be from 0 to 600 seconds")
+    return number
+
+
 def _port(value):
     number = _number(int, value)
     if not 1 <= number <= 65535:
@@ -96,7 +103,7 @@ def parse_options(text):
             continue
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
                                               "low_watermark", "eviction_policy", "metrics_port",
-                                              "metrics_addr"}
+                                              "metrics_addr", "io_retry"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -118,6 +125,8 @@ def parse_options(text):
                 if value not in POLICIES:
                     raise ValueError(f"(use {' or '.join(sorted(POLICIES))})")
                 opts.eviction_policy = value
+            elif name == "io_retry":
+                opts.io_retry = _retry_seconds(value)
             elif name == "metrics_port":
                 opts.metrics_port = _port(value)
             elif name == "metrics_addr":
@@ -228,7 +237,7 @@ def main(argv):
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, high_watermark=PCT (default 90), low_watermark=PCT "
-                      "(default 80), eviction_policy=s3fifo|lru, "
+                      "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")

@@ -73,7 +73,7 @@ class Evictor:
         return 1 - max(0, self.ns.cache.available_bytes()) / capacity if capacity else 0.0
 
     def over_high_watermark(self):
-        return self.used_fraction() > self.high
+        return self.policy.name != "none" and self.used_fraction() > self.high
 
     def evictable(self, inode):
         return (inode is not None and inode.is_file and not inode.opens and not inode.writers
@@ -139,7 +139,7 @@ class Evictor:
         """Evict down to the low watermark (and at least ``nbytes``); returns the files evicted."""
         capacity = self.ns.cache.capacity_bytes()
         need = max(int((self.used_fraction() - self.low) * capacity), nbytes)
-        if need <= 0:
+        if need <= 0 or self.policy.name == "none":
             return 0
         count, _ = await self.evict(self.choose(free_bytes=need))
         return count

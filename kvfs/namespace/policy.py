@@ -131,5 +131,30 @@ class S3FIFO:
                 yield ino
 
 
-POLICIES = {cls.name: cls for cls in (LRU, S3FIFO)}
+class NoEviction:
+    """``eviction_policy=none``: kvfs never evicts; the engine keeps its own budget
+    (LMCache's max_local_disk_size) and a full store answers ENOSPC."""
+
+    name = "none"
+
+    def __contains__(self, ino):
+        return False
+
+    def __len__(self):
+        return 0
+
+    def insert(self, ino, size):
+        pass
+
+    def access(self, ino):
+        pass
+
+    def remove(self, ino):
+        pass
+
+    def victims(self):
+        return iter(())
+
+
+POLICIES = {cls.name: cls for cls in (LRU, S3FIFO, NoEviction)}
 DEFAULT_POLICY = "s3fifo"

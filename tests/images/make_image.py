@@ -38,7 +38,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]       # this checkout's kvfs; kv
 from images.storeimage import pack                    # noqa: E402
 from kvfsmount import KvfsMount                        # noqa: E402
 
-from kvfs.format import FORMAT_VERSION                 # noqa: E402
+from kvfs.schema import FORMAT_VERSION                 # noqa: E402
 
 BLOCK = 64 << 10
 MTIME_NS = 1_700_000_000_123_456_789                   # every entry gets fixed times

@@ -330,7 +330,7 @@ async def test_prefetch_reads_ahead_with_bounded_depth(tmp_path):
 
 
 @pytest.mark.expect_errors(
-    r"kvfs\.blockcache: flushing a block failed \(attempt \d\): device write at \d+ failed: Bad file descriptor",
+    r"kvfs\.blockcache(\.\w+)?: flushing a block failed \(attempt \d\): device write at \d+ failed: Bad file descriptor",
 )
 async def test_failed_flush_marks_the_file_lost_never_wrong(tmp_path, autojump_clock):
     """A device that refuses writes: retries (timed by trio's clock), then EIO-style failure."""
