@@ -129,5 +129,6 @@ def test_bad_eviction_input_gets_one_line(kvfs_factory, tmp_path, shared_kvfs):
                            sys.executable, "-m", "kvfs.cli.admin", "evict", str(shared.mnt), "--to-used", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip() == f"kvfs-admin: {shared.mnt}: 'evict' needs root or the mount's owner", proc.stderr
+    assert proc.stderr.strip() == (f"kvfs-admin: evict {shared.mnt}: permission denied: changing a mounted kvfs "
+                                   f"needs root or the mount's owner"), proc.stderr
     assert (shared.mnt / "mine").exists()

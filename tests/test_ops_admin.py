@@ -44,7 +44,8 @@ def test_stats_is_grouped_short_and_exact(small):
     lines = out.splitlines()
     assert len(lines) <= 22, out
     heads = [line for line in lines if not line.startswith(" ")]
-    assert [h.split()[0] for h in heads] == ["mount", "device", "space", "files", "cache", "I/O", "errors"], out
+    assert [h.split()[0] for h in heads] == ["mount", "device", "space", "files", "cache", "I/O", "eviction",
+                                             "errors"], out
     text = "\n".join(lines)
     assert f"device      {fs.device}  (file, " in text
     assert "  used      4.0 MiB" in text                      # one copy of the 8 files

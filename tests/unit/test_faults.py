@@ -195,6 +195,7 @@ def test_flip_changes_one_bit_inside_its_range(open_faulty):
     assert dev.injected()["flip"] == 1
 
 
+@pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 async def test_block_index_checksum_turns_a_flip_into_eio(store, tmp_path, monkeypatch):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text("[]")
