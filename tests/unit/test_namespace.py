@@ -21,6 +21,12 @@ from .helpers import (BS, DIR_MODE, FILE_MODE, Clock, close_and_check, lookup_pa
 LNK_MODE = stat.S_IFLNK | 0o777
 
 
+@pytest.fixture
+def path(tmp_path):
+    """A freshly made store file (every test here starts from one)."""
+    return mkfs(tmp_path)
+
+
 def err(exc_info):
     return exc_info.value.errno
 
@@ -48,8 +54,7 @@ def check_tree(ns):
             assert inode.nlink == links.get(ino, 0) > 0, ino
 
 
-async def test_make_link_unlink_and_their_errors(tmp_path):
-    path = mkfs(tmp_path)
+async def test_make_link_unlink_and_their_errors(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
@@ -119,8 +124,7 @@ async def test_make_link_unlink_and_their_errors(tmp_path):
     close_and_check(fs)
 
 
-async def test_name_length_limit(tmp_path):
-    path = mkfs(tmp_path)
+async def test_name_length_limit(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
@@ -144,8 +148,7 @@ async def test_name_length_limit(tmp_path):
     close_and_check(fs)
 
 
-async def test_rename_moves_replaces_and_refuses(tmp_path):
-    path = mkfs(tmp_path)
+async def test_rename_moves_replaces_and_refuses(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
@@ -212,9 +215,8 @@ async def test_rename_moves_replaces_and_refuses(tmp_path):
     close_and_check(fs)
 
 
-async def test_rename_records_a_closed_files_content_first(tmp_path):
+async def test_rename_records_a_closed_files_content_first(path):
     """write-temp-then-rename: after a crash the final name never shows an empty file."""
-    path = mkfs(tmp_path)
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs, persist=False):
@@ -236,8 +238,7 @@ async def test_rename_records_a_closed_files_content_first(tmp_path):
     close_and_check(fs)
 
 
-async def test_rename_into_a_removed_directory_is_enoent(tmp_path):
-    path = mkfs(tmp_path)
+async def test_rename_into_a_removed_directory_is_enoent(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs, persist=False):
@@ -292,8 +293,7 @@ def test_readdir_cookies_survive_removals_and_additions():
     assert list(d.items_after(0))[-1] == (b"e101", 7, d.by_name[b"e101"][1])
 
 
-async def test_list_dir_resumes_from_cookies(tmp_path):
-    path = mkfs(tmp_path)
+async def test_list_dir_resumes_from_cookies(path):
     fs = open_fs(path)
     ns = fs.ns
     for i in range(20):
@@ -374,8 +374,7 @@ def normalised(state):
     }
 
 
-async def test_replay_reproduces_the_live_namespace(tmp_path):
-    path = mkfs(tmp_path)
+async def test_replay_reproduces_the_live_namespace(path, tmp_path):
     fs = open_fs(path, now=Clock())
     async with running(fs, persist=False):
         files = await build_tree(fs)
@@ -430,8 +429,7 @@ async def test_replay_reproduces_the_live_namespace(tmp_path):
         close_and_check(fs)
 
 
-async def test_unlink_while_open_keeps_data_until_release_and_forget(tmp_path):
-    path = mkfs(tmp_path)
+async def test_unlink_while_open_keeps_data_until_release_and_forget(path):
     fs = open_fs(path)
     ns, index = fs.ns, fs.index
     data = pattern(9, 2 * BS + 3)
@@ -470,8 +468,7 @@ async def test_unlink_while_open_keeps_data_until_release_and_forget(tmp_path):
     close_and_check(fs)
 
 
-async def test_space_of_an_unlinked_file_is_reusable_after_its_last_close(tmp_path):
-    path = mkfs(tmp_path)
+async def test_space_of_an_unlinked_file_is_reusable_after_its_last_close(path):
     fs = open_fs(path)
     ns, store = fs.ns, fs.store
     async with running(fs):
@@ -501,8 +498,7 @@ async def test_space_of_an_unlinked_file_is_reusable_after_its_last_close(tmp_pa
     close_and_check(fs)
 
 
-async def test_open_write_read_truncate_and_handle_errors(tmp_path):
-    path = mkfs(tmp_path)
+async def test_open_write_read_truncate_and_handle_errors(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
@@ -550,8 +546,7 @@ async def test_open_write_read_truncate_and_handle_errors(tmp_path):
     close_and_check(fs)
 
 
-async def test_by_hash_view_is_read_only(tmp_path):
-    path = mkfs(tmp_path)
+async def test_by_hash_view_is_read_only(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
@@ -578,8 +573,7 @@ async def test_by_hash_view_is_read_only(tmp_path):
     close_and_check(fs)
 
 
-async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path):
-    path = mkfs(tmp_path)
+async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
@@ -616,8 +610,7 @@ async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(tmp_path
     close_and_check(fs)
 
 
-async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_path):
-    path = mkfs(tmp_path)
+async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(path):
     fs = open_fs(path)
     ns = fs.ns
     alice, bob = (1000, 1000), (2000, 2000)
@@ -656,9 +649,8 @@ async def test_by_hash_for_a_user_shows_own_readable_reachable_files_only(tmp_pa
     close_and_check(fs)
 
 
-async def test_upkeep_seals_closed_files_and_commits_on_the_clock(tmp_path, mock_clock):
+async def test_upkeep_seals_closed_files_and_commits_on_the_clock(path, mock_clock):
     """Namespace.run under a mock clock: nothing is committed until commit_interval passes."""
-    path = mkfs(tmp_path)
     fs = open_fs(path)
     ns, store = fs.ns, fs.store
     async with running(fs, commit_interval=5.0):
@@ -702,10 +694,9 @@ async def test_upkeep_seals_closed_files_and_commits_on_the_clock(tmp_path, mock
 
 
 @pytest.mark.parametrize("crash_after", ["checkpoint", "content-record"])
-async def test_checkpoint_between_flush_and_content_record(tmp_path, crash_after):
+async def test_checkpoint_between_flush_and_content_record(path, crash_after):
     """Blocks on the device but not yet named by a record are free in a checkpoint; a later
     content record claims them again at replay."""
-    path = mkfs(tmp_path)
     fs = open_fs(path)
     ns = fs.ns
     data = pattern(5, 3 * BS + 9)
@@ -738,11 +729,10 @@ async def test_checkpoint_between_flush_and_content_record(tmp_path, crash_after
     close_and_check(fs)
 
 
-async def test_concurrent_block_writes_and_fsyncs_end_consistent(tmp_path):
+async def test_concurrent_block_writes_and_fsyncs_end_consistent(path):
     """A writer rewriting whole blocks while another task fsyncs, then close: the durable
     content equals the last writes. (Whole blocks only: partial blocks dirtied during an
     fsync hit the flush_file bug covered in test_blockcache.)"""
-    path = mkfs(tmp_path)
     fs = open_fs(path, cache_size=8 * BS, dirty_limit=4 * BS, flush_workers=2, faults=slow_writes(0.005))
     ns = fs.ns
     model = bytearray(6 * BS)
@@ -778,8 +768,7 @@ async def test_concurrent_block_writes_and_fsyncs_end_consistent(tmp_path):
     close_and_check(fs)
 
 
-async def test_statistics_are_frozen_records_that_add_up(tmp_path):
-    path = mkfs(tmp_path)
+async def test_statistics_are_frozen_records_that_add_up(path):
     fs = open_fs(path)
     ns = fs.ns
     async with running(fs):
