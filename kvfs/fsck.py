@@ -193,7 +193,7 @@ def _paths(state):
 
 def _remove_entry(state, parent, name):
     directory = state.inodes[parent]
-    directory.payload[1] = [(n, i) for n, i in directory.entries if n != name]
+    directory.entries = [(n, i) for n, i in directory.entries if n != name]
 
 
 def _check_tree(state, report, repair):
@@ -223,7 +223,7 @@ def _check_tree(state, report, repair):
                     if node.parent != row.ino:
                         report.problem(f"directory {child} has parent {node.parent}, but is listed in {row.ino}")
                         if repair:
-                            node.payload[0] = row.ino
+                            node.parent = row.ino
     for ino, row in list(state.inodes.items()):
         if ino != ROOT_INO and ino not in paths:
             report.problem(f"inode {ino} is not reachable from the root")

@@ -183,10 +183,18 @@ class InodeRow:
     def parent(self):
         return self.payload[0]
 
+    @parent.setter
+    def parent(self, ino):
+        self.payload = [ino, self.payload[1]]
+
     @property
     def entries(self):
         """Directories: [(name, ino), ...]."""
         return self.payload[1]
+
+    @entries.setter
+    def entries(self, entries):
+        self.payload = [self.payload[0], list(entries)]
 
     @property
     def size(self):
