@@ -73,14 +73,18 @@ def restore_superblock_from_backup(device):
     device.sync_sync()
 
 
-def check(path, *, repair=False, verify_data=True):
-    """Check (and optionally repair) the kvfs on ``path``. Returns a Report."""
+def check(path, *, repair=False, verify_data=True, progress=None):
+    """Check (and optionally repair) the kvfs on ``path``. Returns a Report.
+
+    ``progress``: an object with ``update(done, total)`` told the bytes verified so
+    far while every block is read back (fsck.kvfs shows it on a terminal).
+    """
     report = Report()
     collector = _LogToReport(report)
     kvfs_log = logging.getLogger("kvfs")
     kvfs_log.addHandler(collector)
     try:
-        return _check(path, report, repair, verify_data)
+        return _check(path, report, repair, verify_data, progress)
     finally:
         kvfs_log.removeHandler(collector)
 
@@ -113,7 +117,7 @@ def schema_is_file(row):
     return (row.mode & 0o170000) == 0o100000
 
 
-def _check(path, report, repair, verify_data):
+def _check(path, report, repair, verify_data, progress):
     device = Device.open(path, readonly=not repair)
     try:
         head = device.pread_sync(0, 2 * schema.SECTOR)
@@ -143,7 +147,7 @@ def _check(path, report, repair, verify_data):
         state = State(tree.snapshot(), index.rows(), store.free_extents())
         named = _count_names(state)          # before any repair removes a file
         _check_tree(state, report, repair)
-        bad_keys = _check_data(index, state, report, verify_data)
+        bad_keys = _check_data(index, state, report, verify_data, progress)
         _check_space(store.sb, state, report)
         _check_blocks(state, report, repair, bad_keys, named)
         if repair and (report.problems or report.repairs):
@@ -239,7 +243,7 @@ def _check_tree(state, report, repair):
     state.paths = paths
 
 
-def _check_data(index, state, report, verify_data):
+def _check_data(index, state, report, verify_data, progress=None):
     """Read back every block and verify its content key; return the bad keys."""
     if not verify_data:
         return set()
@@ -252,11 +256,16 @@ def _check_data(index, state, report, verify_data):
             return row.key, str(exc)
         return row.key, None
 
+    rows = list(state.blocks.values())
+    total, done = sum(r.length for r in rows), 0
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for key, error in pool.map(verify, list(state.blocks.values())):
+        for row, (key, error) in zip(rows, pool.map(verify, rows)):
             if error:
                 bad.add(key)
                 report.problem(f"block {key.hex()}: {error}")
+            done += row.length
+            if progress is not None:
+                progress.update(done, total)
     return bad
 
 

@@ -18,7 +18,7 @@ import time
 
 from .. import metrics, nvmeof
 from ..errors import AccessDenied, InvalidArgument, KvfsError, NotFound, NotPermitted, TimedOut, os_error
-from . import Parser, evict, tool
+from . import Parser, evict, progress, tool
 from .views import TopScreen, human, print_all, summary, watch
 
 STATS_XATTR = "user.kvfs.stats"
@@ -305,7 +305,17 @@ def main(argv):
             sys.stdout.write(metrics.exposition(stats))
     else:
         began = time.monotonic()
-        umount(mnt) if args.command == "umount" else send(mnt, args.command)
+        if args.command in ("flush", "checkpoint", "umount"):
+            # A large dirty pool takes a while: show what is left to write on a terminal.
+            try:
+                total = read_stats(mnt)["dirty_bytes"]
+            except AccessDenied:
+                raise _refused(args.command, mnt) from None
+            with progress.while_running("flushing", lambda: total - read_stats(mnt)["dirty_bytes"],
+                                        total=total or None):
+                umount(mnt) if args.command == "umount" else send(mnt, args.command)
+        else:
+            send(mnt, args.command)
         if args.json:
             _json({"command": args.command, "mountpoint": mnt, "ok": True,
                    "seconds": round(time.monotonic() - began, 3)})

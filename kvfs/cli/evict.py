@@ -12,7 +12,7 @@ import os
 import re
 
 from ..errors import InvalidArgument, NotFound
-from . import parse_size
+from . import parse_size, progress
 
 RESULT_XATTR = "user.kvfs.result"
 _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -101,7 +101,12 @@ def run(args, send, human):
             query = ({"to_used": args.to_used} if args.to_used is not None else
                      {"free_bytes": args.free} if args.free is not None else
                      {"older_than_s": args.older_than})
-        answer = request(send, mnt, "evict", {**query, "dry_run": args.dry_run})
+        def evicted():
+            return json.loads(os.getxattr(mnt, "user.kvfs.stats"))["evicted_bytes"]
+
+        start = evicted() if progress.Progress("evicting").enabled else 0
+        with progress.while_running("evicting", lambda: evicted() - start):
+            answer = request(send, mnt, "evict", {**query, "dry_run": args.dry_run})
         if args.json:
             print(json.dumps(answer, indent=2))
         else:

@@ -3,6 +3,7 @@ import sys
 
 from ..fsck import check
 from . import Parser, tool
+from .progress import Progress
 
 
 @tool("fsck.kvfs")
@@ -16,7 +17,11 @@ def main(argv):
     p.add_argument("--no-data", action="store_true", help="skip reading back and verifying every block")
     p.add_argument("device")
     args = p.parse_args(argv)
-    report = check(args.device, repair=args.repair, verify_data=not args.no_data)
+    progress = Progress("verifying blocks")
+    try:
+        report = check(args.device, repair=args.repair, verify_data=not args.no_data, progress=progress)
+    finally:
+        progress.close()
     print_report(report)
     if report.repairs:
         after = check(args.device)
