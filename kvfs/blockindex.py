@@ -232,6 +232,41 @@ class BlockIndex:
         e = self.entries[key]
         return await self.store.run(self.read_verified_sync, key, e.off, e.length, buf)
 
+    def adjacent_runs(self, keys, most):
+        """``keys`` (stored, distinct) grouped into runs of at most ``most`` whose extents
+        follow each other on the device, in device order: each run is one device read."""
+        placed = sorted((self.entries[k].off, k) for k in keys if k in self.entries)
+        runs, end = [], None
+        for off, key in placed:
+            if runs and off == end and len(runs[-1]) < most:
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+            end = off + align_up(self.entries[key].length)
+        return runs
+
+    def _read_run_verified_sync(self, run, bufs):
+        """One device read for the run, then each block checked against its key.
+
+        Returns, per block, its verified view or the CorruptBlock it failed with:
+        one bad block fails alone, never its neighbours.
+        """
+        entries = [self.entries[k] for k in run]
+        views = self.store.read_extents_sync(entries[0].off, [e.length for e in entries], bufs)
+        out = []
+        for key, e, data in zip(run, entries, views):
+            if self.key_of(data) == key:
+                out.append(data)
+            else:
+                self._corrupt_reads += 1
+                log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), e.off)
+                out.append(CorruptBlock(f"block {key.hex()} at offset {e.off} is corrupt"))
+        return out
+
+    async def read_run(self, run, bufs):
+        """Read and verify a run from :meth:`adjacent_runs` with one hand-off to a worker thread."""
+        return await self.store.run(self._read_run_verified_sync, run, bufs)
+
     def statistics(self):
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,
                                self._data_bytes_written, self._dedup_hits, self._corrupt_reads,

@@ -1,7 +1,7 @@
 """Injected device faults, for tests: a wrapper around a real, open Device.
 
 ``FaultyDevice(device, plan)`` takes over an open :class:`kvfs.device.Device`
-by interposing on its four system calls (``Device._sys_preadv``, ``_sys_pwrite``,
+by interposing on its system calls (``Device._sys_preadv`` and ``_sys_preadv_many``, ``_sys_pwrite``,
 ``_sys_fdatasync``, ``_sys_discard``). Everything above them is the real Device
 code: alignment, the retry loop, the short-transfer checks, the DeviceError
 wrapping and the statistics all run unchanged over the injected faults. Every
@@ -178,6 +178,9 @@ class FaultyDevice:
                                               device._sys_fdatasync, device._sys_discard)
         # Instance attributes shadow Device's methods: the real code now calls these.
         device._sys_preadv = lambda view, off: self._transfer("read", preadv, view, off)
+        # A run read goes block by block under the plan, so every rule sees the
+        # same calls it would see for single-block reads.
+        device._sys_preadv_many = lambda views, off: self._transfer_many(preadv, views, off)
         device._sys_pwrite = lambda view, off: self._transfer("write", pwrite, view, off)
         device._sys_fdatasync = lambda: self._plain("sync", None, 0, fdatasync)
         device._sys_discard = lambda off, n: self._plain("discard", off, n, discard, off, n)
@@ -291,6 +294,15 @@ class FaultyDevice:
             if rule.effect == "flip":
                 self._flip(view, off, n, rule)
         return n
+
+    def _transfer_many(self, call, views, off):
+        done = 0
+        for view in views:
+            n = self._transfer("read", call, view, off + done)
+            done += n
+            if n < len(view):
+                break
+        return done
 
     def _plain(self, op, off, length, call, *args):
         """A sync or discard under the plan: delays, stalls and EIO apply to it."""

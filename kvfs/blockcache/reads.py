@@ -15,6 +15,8 @@ from .filedata import Dirty
 
 log = logging.getLogger(__name__)
 
+PREFETCH_RUN_BLOCKS = 4          # adjacent blocks read with one device call
+
 
 class ReadSide:
     """Mixed into :class:`~kvfs.blockcache.BlockCache`, which holds the state (see its __init__)."""
@@ -142,21 +144,45 @@ class ReadSide:
             self._nursery.start_soon(self._prefetch, keys)
 
     async def _prefetch(self, keys):
+        # Adjacent blocks are read as runs of up to PREFETCH_RUN_BLOCKS: one device
+        # read and one worker-thread hand-off per run, instead of per block. The
+        # kernel still splits each run into many device requests.
+        wanted = [k for k in dict.fromkeys(keys) if k not in self._clean and k not in self._reading]
         async with trio.open_nursery() as nursery:
-            for key in dict.fromkeys(keys):
+            for run in self.index.adjacent_runs(wanted, PREFETCH_RUN_BLOCKS):
                 # Take free slots without yielding, so a whole chunk's reads are
                 # issued at once and the device sees the full queue depth.
                 try:
                     self._read_slots.acquire_nowait()
                 except trio.WouldBlock:
                     await self._read_slots.acquire()
-                nursery.start_soon(self._prefetch_one, key)
+                nursery.start_soon(self._prefetch_run, run)
 
-    async def _prefetch_one(self, key):
+    async def _prefetch_run(self, run):
         try:
-            if key in self.index.entries:
-                await self.get(key)
+            # Blocks may have been read or dropped while this run waited for a slot.
+            run = [k for k in run if k in self.index.entries and k not in self._clean and k not in self._reading]
+            for part in self.index.adjacent_runs(run, PREFETCH_RUN_BLOCKS):
+                await self._fetch_run(part)
         except KvfsError as exc:
-            log.debug("prefetch of %s failed: %s (the reader will see it)", key.hex(), exc)
+            log.debug("prefetch of %d block(s) failed: %s (the reader will see it)", len(run), exc)
         finally:
             self._read_slots.release()
+
+    async def _fetch_run(self, run):
+        done = trio.Event()
+        for key in run:
+            self._reading[key] = done
+        self._s["misses"] += len(run)
+        self._s["inflight"] += len(run)
+        self._s["inflight_max"] = max(self._s["inflight_max"], self._s["inflight"])
+        try:
+            results = await self.index.read_run(run, [self._clean_buffer() for _ in run])
+        finally:
+            self._s["inflight"] -= len(run)
+            for key in run:
+                del self._reading[key]
+            done.set()
+        for key, data in zip(run, results):
+            if not isinstance(data, Exception):     # a corrupt block: its reader gets EIO itself
+                self._remember(key, data)

@@ -125,6 +125,10 @@ class ExtentStore:
         """Read an extent's bytes; call it in a worker thread (see :meth:`run`)."""
         return self.device.read_block_sync(off, length, buf)
 
+    def read_extents_sync(self, off, lengths, bufs):
+        """Read a run of adjacent extents in one device call (worker thread)."""
+        return self.device.read_blocks_sync(off, lengths, bufs)
+
     async def run(self, fn, *args):
         """Run blocking work (a read and its verification) in a device worker thread."""
         return await self.device.run(fn, *args)
