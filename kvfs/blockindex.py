@@ -246,26 +246,30 @@ class BlockIndex:
         return runs
 
     def _read_run_verified_sync(self, run, bufs):
-        """One device read for the run, then each block checked against its key.
+        """One device read for the run of (key, off, length), then each block checked
+        against its key (in a worker thread, touching no index state).
 
         Returns, per block, its verified view or the CorruptBlock it failed with:
         one bad block fails alone, never its neighbours.
         """
-        entries = [self.entries[k] for k in run]
-        views = self.store.read_extents_sync(entries[0].off, [e.length for e in entries], bufs)
+        views = self.store.read_extents_sync(run[0][1], [length for _, _, length in run], bufs)
         out = []
-        for key, e, data in zip(run, entries, views):
+        for (key, off, _), data in zip(run, views):
             if self.key_of(data) == key:
                 out.append(data)
             else:
                 self._corrupt_reads += 1
-                log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), e.off)
-                out.append(CorruptBlock(f"block {key.hex()} at offset {e.off} is corrupt"))
+                log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
+                out.append(CorruptBlock(f"block {key.hex()} at offset {off} is corrupt"))
         return out
 
     async def read_run(self, run, bufs):
-        """Read and verify a run from :meth:`adjacent_runs` with one hand-off to a worker thread."""
-        return await self.store.run(self._read_run_verified_sync, run, bufs)
+        """Read and verify a run from :meth:`adjacent_runs` with one hand-off to a worker thread.
+
+        The extents are looked up here, on the event loop, before the hand-off.
+        """
+        placed = [(key, self.entries[key].off, self.entries[key].length) for key in run]
+        return await self.store.run(self._read_run_verified_sync, placed, bufs)
 
     def statistics(self):
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,

@@ -159,10 +159,19 @@ class ReadSide:
                 nursery.start_soon(self._prefetch_run, run)
 
     async def _prefetch_run(self, run):
+        pending = list(run)
         try:
-            # Blocks may have been read or dropped while this run waited for a slot.
-            run = [k for k in run if k in self.index.entries and k not in self._clean and k not in self._reading]
-            for part in self.index.adjacent_runs(run, PREFETCH_RUN_BLOCKS):
+            while pending:
+                # Checked again before every device read, with no await between the
+                # check and the claim in _fetch_run: while this task waited, other
+                # readers (another file deduplicated onto the same blocks) may have
+                # read or claimed some of these blocks, or they may have been dropped.
+                fresh = [k for k in pending
+                         if k in self.index.entries and k not in self._clean and k not in self._reading]
+                if not fresh:
+                    return
+                part = self.index.adjacent_runs(fresh, PREFETCH_RUN_BLOCKS)[0]
+                pending = [k for k in fresh if k not in part]
                 await self._fetch_run(part)
         except KvfsError as exc:
             log.debug("prefetch of %d block(s) failed: %s (the reader will see it)", len(run), exc)
@@ -181,7 +190,8 @@ class ReadSide:
         finally:
             self._s["inflight"] -= len(run)
             for key in run:
-                del self._reading[key]
+                if self._reading.get(key) is done:
+                    del self._reading[key]
             done.set()
         for key, data in zip(run, results):
             if not isinstance(data, Exception):     # a corrupt block: its reader gets EIO itself
