@@ -13,15 +13,9 @@ import time
 
 import pytest
 
+from test_writeback_prefetch import write      # one write() that must move every byte
+
 MiB = 1 << 20
-
-
-def write(path, data):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        assert os.write(fd, data) == len(data)
-    finally:
-        os.close(fd)
 
 
 def data_region(fs):

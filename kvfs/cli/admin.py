@@ -259,7 +259,7 @@ def build_parser():
 def main(argv):
     args = build_parser().parse_args(argv)
     if args.command in ("evict", "pin", "unpin"):
-        return evict.run(args, send, human)
+        return evict.run(args, send, read_stats, human)
     if args.command == "nvmeof":
         if getattr(args, "link", None):
             args.link = os.path.abspath(args.link)

@@ -88,7 +88,7 @@ def request(send, mountpoint, command, args):
     return json.loads(os.getxattr(mountpoint, RESULT_XATTR))
 
 
-def run(args, send, human):
+def run(args, send, read_stats, human):
     if args.command == "evict":
         mnt = os.path.abspath(args.mountpoint)
         ways = [w for w in ("to_used", "free", "older_than") if getattr(args, w) is not None]
@@ -102,7 +102,7 @@ def run(args, send, human):
                      {"free_bytes": args.free} if args.free is not None else
                      {"older_than_s": args.older_than})
         def evicted():
-            return json.loads(os.getxattr(mnt, "user.kvfs.stats"))["evicted_bytes"]
+            return read_stats(mnt)["evicted_bytes"]
 
         start = evicted() if progress.Progress("evicting").enabled else 0
         with progress.while_running("evicting", lambda: evicted() - start):
