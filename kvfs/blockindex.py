@@ -1,7 +1,10 @@
 """The block index: content key -> extent, with reference counts and dedup.
 
-A block is named by the keyed xxh3-128 of its bytes (the key is the
-filesystem's random ``hash_seed``), so identical blocks are stored once.
+A block is named by the keyed xxh3-128 of its bytes, so identical blocks are
+stored once. The key: xxh3-128 seeded with the filesystem's random ``hash_seed``
+over its 256-bit ``key_secret``, then the block's dedup domain (8 bytes, only
+when it is not 0), then the bytes. A version 1 store has no secret and only
+domain 0, so its keys are xxh3-128(bytes, seed) as they always were.
 
 Each entry counts two kinds of users:
 
@@ -50,7 +53,8 @@ class BlockIndex:
     def __init__(self, store, hash_limiter=None):
         self.store = store
         self.block_size = store.block_size
-        self.seed = store.hash_seed
+        self._key_base = xxhash.xxh3_128(seed=store.hash_seed)
+        self._key_base.update(store.key_secret)     # never changed after this: threads copy it
         self.entries = {}
         self._writing = {}          # key -> (Event, off, length) while its data is being written
         self.used_bytes = 0         # allocated bytes of all entries (4 KiB granular)
@@ -60,8 +64,12 @@ class BlockIndex:
         self._dedup_hits = self._corrupt_reads = 0
 
     # -- keys -------------------------------------------------------------
-    def key_of(self, data):
-        return xxhash.xxh3_128_digest(data, seed=self.seed)
+    def key_of(self, data, domain=0):
+        h = self._key_base.copy()
+        if domain:
+            h.update(domain.to_bytes(8, "little"))
+        h.update(data)
+        return h.digest()
 
     async def hash(self, data):
         return await trio.to_thread.run_sync(self.key_of, data, limiter=self.hash_limiter)

@@ -5,13 +5,15 @@
 ``records`` the journal records and the checkpoint state as named types, with
             their msgpack encoding; nothing else knows a field's position
 
-``FORMAT_VERSION`` is in the superblock; a reader refuses any other version, so a
+``FORMAT_VERSION`` is in the superblock; a reader refuses versions it does not
+list in ``READABLE_VERSIONS``, so a
 format change is a deliberate, versioned step (tests/images holds a store of
 today's format that every version must keep reading).
 """
 from .layout import (CHECKPOINT_HEADER, CHECKPOINT_HEADER_FIELDS, JOURNAL_FRAME_FIELDS, field_layout, DEFAULT_BLOCK_SIZE, FOREIGN_SIGNATURES, FORMAT_VERSION,
                      JOURNAL_FRAME, MAGIC_CHECKPOINT, MAGIC_JOURNAL, MAGIC_SUPERBLOCK, MAX_BLOCK_SIZE,
-                     MIN_BLOCK_SIZE, MIN_DEVICE_SIZE, SUPERBLOCK, SUPERBLOCK_CHECKED, Superblock,
+                     MIN_BLOCK_SIZE, MIN_DEVICE_SIZE, SUPERBLOCK, SUPERBLOCK_CHECKED, SUPERBLOCK_V1,
+                     SUPERBLOCK_V1_CHECKED, KEY_SECRET_LEN, READABLE_VERSIONS, Superblock,
                      check_block_size, check_device_size, decode_checkpoint_header, decode_journal_header,
                      encode_checkpoint_header, encode_journal_frame, frame_size, identify_existing_data)
 from .records import (RECORD_TYPES, Attrs, BlockRef, BlockRow, CheckpointState, Content,
@@ -35,6 +37,10 @@ __all__ = [
     "MIN_DEVICE_SIZE",
     "SUPERBLOCK",
     "SUPERBLOCK_CHECKED",
+    "SUPERBLOCK_V1",
+    "SUPERBLOCK_V1_CHECKED",
+    "KEY_SECRET_LEN",
+    "READABLE_VERSIONS",
     "Superblock",
     "check_block_size",
     "check_device_size",

@@ -4,7 +4,9 @@ Device layout (all offsets in bytes, every region 4 KiB aligned)::
 
     0        primary superblock           (one 4 KiB sector, SUPERBLOCK below)
     4096     backup superblock            (identical copy, written by mkfs)
-    8192     checkpoint slot A            (CHECKPOINT_HEADER + msgpack state)
+    8192     multi-mount protection       (one sector, MMP_RECORD; format version 2 on)
+    12288    checkpoint slot A            (CHECKPOINT_HEADER + msgpack state;
+                                           at 8192 in format version 1)
     ...      checkpoint slot B            (same size as A)
     ...      journal                      (a sequence of frames, JOURNAL_FRAME + msgpack)
     data_off data region                  (block extents, 4 KiB allocation units)
@@ -41,14 +43,16 @@ from ..errors import FormatError
 MAGIC_SUPERBLOCK = b"KVFSSUPR"
 MAGIC_CHECKPOINT = b"KVFSCKPT"
 MAGIC_JOURNAL = b"KVFSJRNL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)      # version 1: no MMP sector, no key secret (see SUPERBLOCK_V1)
+KEY_SECRET_LEN = 32             # 256 bits; content keys mix it in (blockindex.py)
 
 DEFAULT_BLOCK_SIZE = 1 << 20   # = one FUSE request; 32 blocks per Llama-3-8B chunk
 MIN_BLOCK_SIZE = 64 << 10
 MAX_BLOCK_SIZE = 16 << 20
 MIN_DEVICE_SIZE = 64 << 20
 
-SUPERBLOCK = struct.Struct(
+SUPERBLOCK_V1 = struct.Struct(
     "<"
     "8s"   # magic             MAGIC_SUPERBLOCK
     "I"    # version           FORMAT_VERSION
@@ -56,7 +60,7 @@ SUPERBLOCK = struct.Struct(
     "16s"  # uuid              random per filesystem
     "I"    # block_size        file contents are cut into blocks of this size
     "I"    # reserved0         zero
-    "Q"    # hash_seed         random per filesystem: the key of the keyed xxh3-128
+    "Q"    # hash_seed         random per filesystem: seeds every metadata hash and content key
     "Q"    # device_size       bytes the filesystem was made for; the device must be at least this
     "Q"    # checkpoint_a_off  offset of checkpoint slot A
     "Q"    # checkpoint_b_off  offset of checkpoint slot B
@@ -67,9 +71,19 @@ SUPERBLOCK = struct.Struct(
     "Q"    # data_len          size of the data region
     "Q"    # created_ns        mkfs time, ns since the epoch
 )
+assert SUPERBLOCK_V1.size == 120, SUPERBLOCK_V1.size
+
+# Version 2 appends two fields to version 1's; everything before them is unchanged.
+SUPERBLOCK = struct.Struct(
+    SUPERBLOCK_V1.format +
+    "Q"    # mmp_off           offset of the multi-mount protection sector (MMP_RECORD)
+    "32s"  # key_secret        random per filesystem, secret: prefixed to every content key's input
+)
+assert SUPERBLOCK.size == 160, SUPERBLOCK.size
 SUPERBLOCK_CHECKED = struct.Struct("<" + SUPERBLOCK.format[1:] + "Q")  # + xxh64 of the above
-assert SUPERBLOCK.size == 120, SUPERBLOCK.size
-assert SUPERBLOCK_CHECKED.size == 128
+assert SUPERBLOCK_CHECKED.size == 168
+SUPERBLOCK_V1_CHECKED = struct.Struct("<" + SUPERBLOCK_V1.format[1:] + "Q")
+assert SUPERBLOCK_V1_CHECKED.size == 128
 
 CHECKPOINT_HEADER = struct.Struct(
     "<"
@@ -129,13 +143,21 @@ def check_device_size(device_size):
 class Superblock:
     """Decoded superblock. Field meanings are documented on ``SUPERBLOCK``."""
 
-    FIELDS = ("magic", "version", "sector", "uuid", "block_size", "reserved0", "hash_seed",
-              "device_size", "checkpoint_a_off", "checkpoint_b_off", "checkpoint_len",
-              "journal_off", "journal_len", "data_off", "data_len", "created_ns")
+    FIELDS_V1 = ("magic", "version", "sector", "uuid", "block_size", "reserved0", "hash_seed",
+                 "device_size", "checkpoint_a_off", "checkpoint_b_off", "checkpoint_len",
+                 "journal_off", "journal_len", "data_off", "data_len", "created_ns")
+    FIELDS = FIELDS_V1 + ("mmp_off", "key_secret")
 
     def __init__(self, **fields):
+        # A version 1 superblock has neither field: no MMP sector (0) and no secret (b"").
+        fields.setdefault("mmp_off", 0)
+        fields.setdefault("key_secret", b"")
         for name in self.FIELDS:
             setattr(self, name, fields[name])
+
+    @property
+    def has_mmp(self):
+        return self.mmp_off != 0
 
     @classmethod
     def create(cls, device_size, block_size=DEFAULT_BLOCK_SIZE, now_ns=0):
@@ -147,7 +169,8 @@ class Superblock:
         meta = min(max(device_size // 16, 24 << 20), 16 << 30)
         checkpoint_len = align_down(meta * 3 // 8, 1 << 20)
         journal_len = align_down(meta - 2 * checkpoint_len, 1 << 20)
-        checkpoint_a = 2 * SECTOR
+        mmp_off = 2 * SECTOR
+        checkpoint_a = 3 * SECTOR
         checkpoint_b = checkpoint_a + checkpoint_len
         journal_off = checkpoint_b + checkpoint_len
         data_off = align_up(journal_off + journal_len, 1 << 20)
@@ -155,37 +178,57 @@ class Superblock:
         return cls(magic=MAGIC_SUPERBLOCK, version=FORMAT_VERSION, sector=SECTOR,
                    uuid=uuidlib.uuid4().bytes, block_size=block_size, reserved0=0,
                    hash_seed=int.from_bytes(os.urandom(8), "little"),
+                   mmp_off=mmp_off, key_secret=os.urandom(KEY_SECRET_LEN),
                    device_size=device_size, checkpoint_a_off=checkpoint_a,
                    checkpoint_b_off=checkpoint_b, checkpoint_len=checkpoint_len,
                    journal_off=journal_off, journal_len=journal_len,
                    data_off=data_off, data_len=data_len, created_ns=now_ns)
 
     def encode(self):
-        body = SUPERBLOCK.pack(*(getattr(self, f) for f in self.FIELDS))
+        layout, names = (SUPERBLOCK_V1, self.FIELDS_V1) if self.version == 1 else (SUPERBLOCK, self.FIELDS)
+        body = layout.pack(*(getattr(self, f) for f in names))
         sector = body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
         return sector.ljust(SECTOR, b"\0")
 
     @classmethod
     def decode(cls, sector):
         """Parse and validate one superblock sector; raise FormatError with the reason."""
-        if len(sector) < SUPERBLOCK_CHECKED.size:
+        if len(sector) < SUPERBLOCK_V1_CHECKED.size:
             raise FormatError("superblock is truncated")
         if sector[:8] != MAGIC_SUPERBLOCK:
-            if not any(sector[:SUPERBLOCK_CHECKED.size]):
+            if not any(sector[:SUPERBLOCK_V1_CHECKED.size]):
                 raise FormatError("no kvfs superblock (the device is zero-filled)")
             raise FormatError("no kvfs superblock (bad magic): not a kvfs device")
-        *values, stored_hash = SUPERBLOCK_CHECKED.unpack_from(sector)
-        if xxhash.xxh64_intdigest(sector[:SUPERBLOCK.size]) != stored_hash:
+        (version,) = struct.unpack_from("<I", sector, 8)
+        if version not in READABLE_VERSIONS:
+            readable = ", ".join(map(str, READABLE_VERSIONS))
+            # A newer kvfs that kept this version's checked length is recognised as such;
+            # otherwise the sector is damaged or of a layout this kvfs cannot check.
+            if len(sector) >= SUPERBLOCK_CHECKED.size and xxhash.xxh64_intdigest(
+                    sector[:SUPERBLOCK.size]) == SUPERBLOCK_CHECKED.unpack_from(sector)[-1]:
+                raise FormatError(f"unsupported kvfs format version {version} (this kvfs reads "
+                                  f"versions {readable}): it was made by a newer kvfs")
+            raise FormatError(f"superblock checksum mismatch or unsupported format version {version} "
+                              f"(this kvfs reads versions {readable}): the superblock is corrupt, "
+                              f"or was made by a newer kvfs")
+        checked, layout, names = ((SUPERBLOCK_V1_CHECKED, SUPERBLOCK_V1, cls.FIELDS_V1) if version == 1
+                                  else (SUPERBLOCK_CHECKED, SUPERBLOCK, cls.FIELDS))
+        if len(sector) < checked.size:
+            raise FormatError("superblock is truncated")
+        *values, stored_hash = checked.unpack_from(sector)
+        if xxhash.xxh64_intdigest(sector[:layout.size]) != stored_hash:
             raise FormatError("superblock checksum mismatch: the superblock is corrupt")
-        sb = cls(**dict(zip(cls.FIELDS, values)))
-        if sb.version != FORMAT_VERSION:
-            raise FormatError(f"unsupported kvfs format version {sb.version} "
-                              f"(this kvfs reads version {FORMAT_VERSION})")
+        sb = cls(**dict(zip(names, values)))
         sb.check_layout()
         return sb
 
     def check_layout(self):
-        regions = [(2 * SECTOR, 0), (self.checkpoint_a_off, self.checkpoint_len),
+        regions = [(2 * SECTOR, 0)]
+        if self.version >= 2:
+            if self.mmp_off != 2 * SECTOR or len(self.key_secret) != KEY_SECRET_LEN:
+                raise FormatError("superblock MMP offset or key secret is invalid: the superblock is corrupt")
+            regions.append((self.mmp_off, SECTOR))
+        regions += [(self.checkpoint_a_off, self.checkpoint_len),
                    (self.checkpoint_b_off, self.checkpoint_len),
                    (self.journal_off, self.journal_len), (self.data_off, self.data_len)]
         end = 0

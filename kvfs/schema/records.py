@@ -109,12 +109,14 @@ class Attrs(_Record):
 class BlockRef:
     """One block of a content record: where its bytes are."""
 
-    key: bytes = doc("16-byte content key (keyed xxh3-128 of the bytes)")
+    key: bytes = doc("16-byte content key (keyed xxh3-128 of the domain and the bytes)")
     off: int = doc("extent offset in the data region")
     length: int = doc("bytes of content; the extent is length rounded up to 4 KiB")
+    domain: int = field(default=0, metadata={"doc": "dedup domain whose key this is; 0: none "
+                                                    "(version 1), absent on the wire when 0"})
 
     def to_wire(self):
-        return [self.key, self.off, self.length]
+        return [self.key, self.off, self.length, self.domain] if self.domain else [self.key, self.off, self.length]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,9 +218,11 @@ class BlockRow:
     off: int = doc("extent offset in the data region")
     length: int = doc("bytes of content")
     refs: int = doc("how many times durable contents name the key")
+    domain: int = field(default=0, metadata={"doc": "dedup domain (BlockRef.domain); absent on the wire when 0"})
 
     def to_wire(self):
-        return [self.key, self.off, self.length, self.refs]
+        wire = [self.key, self.off, self.length, self.refs]
+        return wire + [self.domain] if self.domain else wire
 
 
 @dataclasses.dataclass(slots=True)

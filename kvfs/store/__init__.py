@@ -85,6 +85,11 @@ class ExtentStore:
         return self.sb.hash_seed
 
     @property
+    def key_secret(self):
+        """The content keys' secret (b"" on a format version 1 store)."""
+        return self.sb.key_secret
+
+    @property
     def capacity_bytes(self):
         return self.sb.data_len
 

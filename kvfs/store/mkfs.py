@@ -79,7 +79,7 @@ def format_device(device, block_size, now_ns):
     sb = schema.Superblock.create(device.size, block_size, now_ns)
     empty = msgpack.packb({})
     zero = b"\0" * schema.SECTOR
-    for off in (sb.checkpoint_b_off, sb.journal_off):
+    for off in (sb.checkpoint_b_off, sb.journal_off) + ((sb.mmp_off,) if sb.has_mmp else ()):
         device.pwrite_sync(off, zero)
     device.pwrite_sync(sb.checkpoint_a_off, schema.encode_checkpoint_header(1, empty, sb.hash_seed) + empty)
     device.sync_sync()

@@ -28,13 +28,17 @@ def written_checkpoint(path):
         device.close()
 
 
-async def test_content_keys_are_keyed_by_the_filesystem_seed(tmp_path):
+async def test_content_keys_are_keyed_by_the_seed_and_the_secret(tmp_path):
     p1, p2 = mkfs(tmp_path, name="one"), mkfs(tmp_path, name="two")
     fs1, fs2 = open_fs(p1), open_fs(p2)
     data = pattern(1, BS)
     k1, k2 = fs1.index.key_of(data), fs2.index.key_of(data)
     assert len(k1) == 16
-    assert k1 == xxhash.xxh3_128_digest(data, seed=fs1.store.sb.hash_seed)
+    sb = fs1.store.sb
+    assert k1 == xxhash.xxh3_128_digest(sb.key_secret + data, seed=sb.hash_seed)   # docs/format.md
+    assert k1 != xxhash.xxh3_128_digest(data, seed=sb.hash_seed)          # the secret is in it
+    assert fs1.index.key_of(data, domain=7) == xxhash.xxh3_128_digest(
+        sb.key_secret + (7).to_bytes(8, "little") + data, seed=sb.hash_seed)
     assert k1 != k2                                   # different filesystems, different keys
     assert await fs1.index.hash(data) == k1           # the threaded path computes the same key
     assert fs1.index.key_of(data[:-1] + b"\x00") != k1

@@ -16,8 +16,9 @@ from .helpers import BS, DEV_SIZE, assert_fsck_clean, flip_byte, mkfs, peek, pok
 
 
 def test_struct_sizes():
-    assert schema.SUPERBLOCK.size == 120
-    assert schema.SUPERBLOCK_CHECKED.size == 128
+    assert schema.SUPERBLOCK.size == 160
+    assert schema.SUPERBLOCK_CHECKED.size == 168
+    assert schema.SUPERBLOCK_V1.size == 120 and schema.SUPERBLOCK_V1_CHECKED.size == 128
     assert schema.CHECKPOINT_HEADER.size == 40
     assert schema.JOURNAL_FRAME.size == 48
     assert len(schema.Superblock.FIELDS) == len(schema.SUPERBLOCK.unpack(bytes(schema.SUPERBLOCK.size)))
@@ -34,7 +35,8 @@ def test_superblock_roundtrip_and_layout():
     for name in schema.Superblock.FIELDS:
         assert getattr(back, name) == getattr(sb, name), name
     # Regions are in order, aligned, non-overlapping and inside the device.
-    assert sb.checkpoint_a_off == 2 * schema.SECTOR
+    assert sb.mmp_off == 2 * schema.SECTOR
+    assert sb.checkpoint_a_off == 3 * schema.SECTOR
     assert sb.checkpoint_b_off == sb.checkpoint_a_off + sb.checkpoint_len
     assert sb.journal_off == sb.checkpoint_b_off + sb.checkpoint_len
     assert sb.data_off >= sb.journal_off + sb.journal_len
@@ -44,6 +46,7 @@ def test_superblock_roundtrip_and_layout():
     # Two filesystems get different identities and hash keys.
     other = schema.Superblock.create(DEV_SIZE, BS)
     assert other.uuid != sb.uuid and other.hash_seed != sb.hash_seed
+    assert len(sb.key_secret) == schema.KEY_SECRET_LEN >= 16 and other.key_secret != sb.key_secret
 
 
 def test_superblock_create_rejects_bad_parameters():
@@ -67,7 +70,7 @@ def test_decode_errors():
     with pytest.raises(FormatError, match="bad magic"):
         schema.Superblock.decode(b"EXT4SUPR" + good[8:])
     # One flipped bit anywhere in the checked body is caught by the checksum.
-    for pos in (8, 40, 100, 119, 120):
+    for pos in (8, 40, 100, 119, 120, 128, 159, 160):
         bad = bytearray(good)
         bad[pos] ^= 0x01
         with pytest.raises(FormatError, match="checksum mismatch"):
@@ -246,4 +249,18 @@ def test_superblock_fields_are_little_endian_at_documented_offsets(tmp_path):
     assert raw[16:32] == sb.uuid
     assert struct.unpack_from("<I", raw, 32)[0] == BS
     assert struct.unpack_from("<Q", raw, 48)[0] == DEV_SIZE
-    assert struct.unpack_from("<Q", raw, 120)[0] == xxhash.xxh64_intdigest(raw[:120])
+    assert struct.unpack_from("<Q", raw, 120)[0] == sb.mmp_off == 8192
+    assert raw[128:160] == sb.key_secret
+    assert struct.unpack_from("<Q", raw, 160)[0] == xxhash.xxh64_intdigest(raw[:160])
+
+
+def test_version_1_superblock_still_decodes():
+    """A version 1 sector (120-byte struct, checksum at 120) decodes: no MMP sector, no secret."""
+    sb = schema.Superblock.create(DEV_SIZE, BS)
+    v1 = {name: getattr(sb, name) for name in schema.Superblock.FIELDS_V1}
+    v1.update(version=1, checkpoint_a_off=2 * schema.SECTOR)
+    body = schema.SUPERBLOCK_V1.pack(*(v1[name] for name in schema.Superblock.FIELDS_V1))
+    sector = (body + struct.pack("<Q", xxhash.xxh64_intdigest(body))).ljust(schema.SECTOR, b"\0")
+    back = schema.Superblock.decode(sector)
+    assert back.version == 1 and back.mmp_off == 0 and not back.has_mmp and back.key_secret == b""
+    assert back.encode() == sector                       # and re-encodes as version 1, byte for byte

@@ -109,7 +109,7 @@ def test_decode_record_rejects_a_non_list(wire):
         decode_record(wire)
 
 
-@pytest.mark.parametrize("blocks", [5, [[KEY_A, 0]], [[KEY_A, 0, 1, 2]], [7]], ids=["int", "short-ref", "long-ref",
+@pytest.mark.parametrize("blocks", [5, [[KEY_A, 0]], [[KEY_A, 0, 1, 2, 3]], [7]], ids=["int", "short-ref", "long-ref",
                                                                                   "int-ref"])
 def test_decode_record_rejects_a_malformed_block_list(blocks):
     with pytest.raises(FormatError, match="malformed"):
@@ -262,5 +262,5 @@ def test_checkpoint_state_refuses_malformed_rows(key, bad):
 
 
 def test_schema_exports_the_record_types_and_the_format_version():
-    assert schema.FORMAT_VERSION == 1
+    assert schema.FORMAT_VERSION == 2 and schema.READABLE_VERSIONS == (1, 2)
     assert schema.RECORD_TYPES == (Make, Link, Remove, Move, Attrs, Content)
