@@ -6,6 +6,15 @@ over its 256-bit ``key_secret``, then the block's dedup domain (8 bytes, only
 when it is not 0), then the bytes. A version 1 store has no secret and only
 domain 0, so its keys are xxh3-128(bytes, seed) as they always were.
 
+Dedup domains (issue 12, tenants): a file's blocks are keyed in the domain of
+its owner, so two tenants' identical blocks get different keys and are stored
+twice. No tenant can then learn, from space, timing or keys, whether another
+stored some content, and no crafted collision can make one tenant's block
+stand for another's bytes. By default each uid is its own domain; a mount
+option groups uids that may share (``DedupDomains``). ``dedup_verify`` adds a
+byte comparison on every dedup hit, for operators who want more than a keyed
+128-bit hash.
+
 Each entry counts two kinds of users:
 
 ``refs``  references from *durable* file contents, i.e. from content records in
@@ -19,6 +28,7 @@ An entry is dropped, and its extent freed, when both reach zero. The extent
 store delays reuse of the extent until the freeing record is durable.
 """
 import dataclasses
+import hashlib
 import logging
 
 import trio
@@ -26,16 +36,68 @@ import xxhash
 
 from . import schema
 from .aligned import align_up
-from .errors import CorruptBlock, FormatError, NoSpace, SpaceAwaitsCommit
+from .errors import CorruptBlock, DedupCollision, FormatError, InvalidArgument, NoSpace, SpaceAwaitsCommit
 
 log = logging.getLogger(__name__)
 
 
 class BlockEntry:
-    __slots__ = ("off", "length", "refs", "pins")
+    __slots__ = ("off", "length", "refs", "pins", "domain")
 
-    def __init__(self, off, length, refs=0, pins=0):
+    def __init__(self, off, length, refs=0, pins=0, domain=0):
         self.off, self.length, self.refs, self.pins = off, length, refs, pins
+        self.domain = domain
+
+
+class DedupDomains:
+    """Which uids share dedup: ``groups`` is None (every uid its own domain), "all"
+    (one domain for everybody: the single-tenant host), or a list of uid sets.
+
+    A domain's number is a keyed BLAKE2b of its member list, so it names the
+    group, not any one uid: a group whose membership changes gets a new domain,
+    and blocks stored under the old membership are never shared with a newcomer.
+    Domain 0 (no domain) is what format version 1 stores use; they have no secret.
+    """
+
+    def __init__(self, secret, groups=None):
+        self._secret = secret
+        self._groups = groups
+        self._of_uid = {}
+
+    @staticmethod
+    def parse(text):
+        """``dedup_groups=`` mount option: "all", or uid groups like "1000+1001:2000+2001"
+        (``+`` joins the uids of a group, ``:`` separates groups; a comma would end the option)."""
+        if text in (None, "", "none"):
+            return None
+        if text == "all":
+            return "all"
+        groups, seen = [], set()
+        for part in text.split(":"):
+            try:
+                uids = frozenset(int(u) for u in part.split("+"))
+            except ValueError:
+                raise InvalidArgument(f"dedup_groups: {part!r} is not a list of uids joined by '+'") from None
+            if any(u < 0 for u in uids) or uids & seen:
+                raise InvalidArgument(f"dedup_groups: uid lists must be disjoint lists of uids, not {text!r}")
+            seen |= uids
+            groups.append(uids)
+        return groups
+
+    def of(self, uid):
+        if not self._secret:
+            return 0
+        domain = self._of_uid.get(uid)
+        if domain is None:
+            if self._groups == "all":
+                members = "all"
+            else:
+                group = next((g for g in self._groups or () if uid in g), (uid,))
+                members = ",".join(str(u) for u in sorted(group))
+            digest = hashlib.blake2b(b"kvfs dedup domain " + members.encode(), key=self._secret,
+                                     digest_size=8).digest()
+            domain = self._of_uid[uid] = int.from_bytes(digest, "little") | 1
+        return domain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +109,18 @@ class IndexStatistics:
     dedup_hits: int
     corrupt_reads: int
     reserved_bytes: int
+    dedup_verify_reads: int
+    dedup_collisions: int
 
 
 class BlockIndex:
-    def __init__(self, store, hash_limiter=None):
+    def __init__(self, store, hash_limiter=None, *, dedup_groups=None, dedup_verify=False):
         self.store = store
+        self.domains = DedupDomains(store.key_secret, dedup_groups)
+        self.dedup_verify = dedup_verify
+        # The public identifier key (user.kvfs.key): a BLAKE2b PRF of the internal
+        # key, so users who see it learn nothing that helps an offline search for the secret.
+        self._public_key = store.key_secret or store.hash_seed.to_bytes(8, "little")
         self.block_size = store.block_size
         self._key_base = xxhash.xxh3_128(seed=store.hash_seed)
         self._key_base.update(store.key_secret)     # never changed after this: threads copy it
@@ -62,6 +131,7 @@ class BlockIndex:
         self.hash_limiter = hash_limiter or trio.CapacityLimiter(4)
         self._blocks_written = self._data_bytes_written = 0
         self._dedup_hits = self._corrupt_reads = 0
+        self._dedup_verify_reads = self._dedup_collisions = 0
 
     # -- keys -------------------------------------------------------------
     def key_of(self, data, domain=0):
@@ -71,14 +141,22 @@ class BlockIndex:
         h.update(data)
         return h.digest()
 
-    async def hash(self, data):
-        return await trio.to_thread.run_sync(self.key_of, data, limiter=self.hash_limiter)
+    async def hash(self, data, domain=0):
+        return await trio.to_thread.run_sync(self.key_of, data, domain, limiter=self.hash_limiter)
+
+    def domain_of(self, uid):
+        """The dedup domain of files owned by ``uid``."""
+        return self.domains.of(uid)
+
+    def public_id(self, key):
+        """What users see of an internal key: keyed BLAKE2b-128, not invertible without the secret."""
+        return hashlib.blake2b(key, key=self._public_key, digest_size=16, person=b"kvfs public id").digest()
 
     # -- state ------------------------------------------------------------
     def load(self, blocks):
         """Enter the checkpoint's BlockRows."""
         for row in blocks:
-            self.entries[row.key] = BlockEntry(row.off, row.length, row.refs)
+            self.entries[row.key] = BlockEntry(row.off, row.length, row.refs, domain=row.domain)
             self.used_bytes += align_up(row.length)
 
     def snapshot(self):
@@ -90,7 +168,7 @@ class BlockIndex:
         blocks, transient = [], []
         for key, e in self.entries.items():
             if e.refs:
-                blocks.append(schema.BlockRow(key, e.off, e.length, e.refs))
+                blocks.append(schema.BlockRow(key, e.off, e.length, e.refs, e.domain))
             else:
                 transient.append((e.off, e.length))
         transient += [(off, n) for _, off, n in self._writing.values()]
@@ -117,7 +195,7 @@ class BlockIndex:
 
     def rows(self):
         """Every entry as a BlockRow (fsck)."""
-        return [schema.BlockRow(key, e.off, e.length, e.refs) for key, e in self.entries.items()]
+        return [schema.BlockRow(key, e.off, e.length, e.refs, e.domain) for key, e in self.entries.items()]
 
     def block_count(self):
         return len(self.entries)
@@ -126,15 +204,20 @@ class BlockIndex:
         e = self.entries[key]
         return e.off, e.length
 
+    def block_ref(self, key):
+        """What a content record says about a stored block."""
+        e = self.entries[key]
+        return schema.BlockRef(key, e.off, e.length, e.domain)
+
     # -- references -------------------------------------------------------
-    def add_ref(self, key, off, length):
+    def add_ref(self, key, off, length, domain=0):
         """A content record names ``key`` at ``off``; during replay this allocates it."""
         e = self.entries.get(key)
         if e is None:
             self.store.allocate_at(off, length)
-            self.entries[key] = e = BlockEntry(off, length)
+            self.entries[key] = e = BlockEntry(off, length, domain=domain)
             self.used_bytes += align_up(length)
-        elif (e.off, e.length) != (off, length):
+        elif (e.off, e.length, e.domain) != (off, length, domain):
             raise FormatError(f"block {key.hex()} recorded at two extents")
         e.refs += 1
 
@@ -187,17 +270,26 @@ class BlockIndex:
         self.reserved_bytes -= nbytes
 
     # -- data ---------------------------------------------------------------
-    async def store_block(self, data, source=None):
-        """Make ``data`` a stored block and pin it; write it only if it is new.
+    async def store_block(self, data, source=None, domain=0):
+        """Make ``data`` a stored block of dedup ``domain`` and pin it; write it only if it is new.
 
         ``source``, if given, is a page-aligned buffer that starts with ``data``
         and is zero after it: the device may write from it directly.
         """
-        key = await self.hash(data)
+        key = await self.hash(data, domain)
         while True:
             e = self.entries.get(key)
             if e is not None:
-                e.pins += 1
+                e.pins += 1                 # held across the verification read too
+                try:
+                    if e.domain != domain or (self.dedup_verify and not await self._same_bytes(key, e, data)):
+                        self._dedup_collisions += 1
+                        log.critical("block %s: a dedup hit whose stored bytes differ (a key "
+                                     "collision): the write fails with EIO", key.hex())
+                        raise DedupCollision(f"block {key.hex()}: content key collision")
+                except BaseException:
+                    self.unpin(key)
+                    raise
                 self._dedup_hits += 1
                 return key
             writing = self._writing.get(key)
@@ -216,16 +308,25 @@ class BlockIndex:
         finally:
             del self._writing[key]
             done.set()
-        self.entries[key] = BlockEntry(off, len(data), pins=1)
+        self.entries[key] = BlockEntry(off, len(data), pins=1, domain=domain)
         self.used_bytes += align_up(len(data))
         self._blocks_written += 1
         self._data_bytes_written += len(data)
         return key
 
-    def read_verified_sync(self, key, off, length, buf=None):
+    async def _same_bytes(self, key, e, data):
+        """dedup_verify=bytes: does the stored block hold exactly ``data``? (A corrupt one does not.)"""
+        self._dedup_verify_reads += 1
+        try:
+            stored = await self.store.run(self.read_verified_sync, key, e.off, e.length, None, e.domain)
+        except CorruptBlock:
+            return False
+        return stored == data
+
+    def read_verified_sync(self, key, off, length, buf=None, domain=0):
         """Read one extent and check it against ``key`` (in a worker thread); CorruptBlock if it fails."""
         data = self.store.read_extent_sync(off, length, buf)
-        if self.key_of(data) != key:
+        if self.key_of(data, domain) != key:
             self._corrupt_reads += 1
             log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
             raise CorruptBlock(f"block {key.hex()} at offset {off} is corrupt")
@@ -238,7 +339,7 @@ class BlockIndex:
         into ``buf`` if one is given.
         """
         e = self.entries[key]
-        return await self.store.run(self.read_verified_sync, key, e.off, e.length, buf)
+        return await self.store.run(self.read_verified_sync, key, e.off, e.length, buf, e.domain)
 
     def adjacent_runs(self, keys, most):
         """``keys`` (stored, distinct) grouped into runs of at most ``most`` whose extents
@@ -254,16 +355,16 @@ class BlockIndex:
         return runs
 
     def _read_run_verified_sync(self, run, bufs):
-        """One device read for the run of (key, off, length), then each block checked
+        """One device read for the run of (key, off, length, domain), then each block checked
         against its key (in a worker thread, touching no index state).
 
         Returns, per block, its verified view or the CorruptBlock it failed with:
         one bad block fails alone, never its neighbours.
         """
-        views = self.store.read_extents_sync(run[0][1], [length for _, _, length in run], bufs)
+        views = self.store.read_extents_sync(run[0][1], [length for _, _, length, _ in run], bufs)
         out = []
-        for (key, off, _), data in zip(run, views):
-            if self.key_of(data) == key:
+        for (key, off, _, domain), data in zip(run, views):
+            if self.key_of(data, domain) == key:
                 out.append(data)
             else:
                 self._corrupt_reads += 1
@@ -276,10 +377,10 @@ class BlockIndex:
 
         The extents are looked up here, on the event loop, before the hand-off.
         """
-        placed = [(key, self.entries[key].off, self.entries[key].length) for key in run]
+        placed = [(key, e.off, e.length, e.domain) for key, e in zip(run, map(self.entries.__getitem__, run))]
         return await self.store.run(self._read_run_verified_sync, placed, bufs)
 
     def statistics(self):
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,
                                self._data_bytes_written, self._dedup_hits, self._corrupt_reads,
-                               self.reserved_bytes)
+                               self.reserved_bytes, self._dedup_verify_reads, self._dedup_collisions)

@@ -45,6 +45,8 @@ class MountOptions:
     io_retry: float = 10.0            # seconds a failing device transfer is retried (a path reconnect)
     metrics_port: int = 0             # serve Prometheus /metrics on this port (0: not at all)
     metrics_addr: str = "127.0.0.1"
+    dedup_groups: object = None       # None: dedup per uid; "all"; or uid sets (blockindex.DedupDomains)
+    dedup_verify: bool = False        # compare bytes on every dedup hit (dedup_verify=bytes)
 
     @classmethod
     def defaults(cls):

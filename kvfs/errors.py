@@ -31,6 +31,10 @@ class CorruptBlock(KvfsError):
     """A block read from the device does not match its content key."""
 
 
+class DedupCollision(KvfsError):
+    """A dedup hit whose stored bytes differ from the new ones (dedup_verify=bytes): EIO."""
+
+
 class DeviceError(KvfsError):
     """The device failed an I/O request or returned a short transfer."""
 

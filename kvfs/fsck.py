@@ -251,7 +251,7 @@ def _check_data(index, state, report, verify_data, progress=None):
 
     def verify(row):
         try:
-            index.read_verified_sync(row.key, row.off, row.length)
+            index.read_verified_sync(row.key, row.off, row.length, domain=row.domain)
         except (CorruptBlock, DeviceError) as exc:
             return row.key, str(exc)
         return row.key, None

@@ -5,7 +5,9 @@ only the layer below it. fsck loads the durable namespace without a block
 cache (:func:`load_tree`): the tree then takes its block services from the
 block index directly.
 """
+import logging
 import os
+import stat
 import time
 
 from . import faults
@@ -16,6 +18,8 @@ from .errors import FormatError, KvfsError
 from .namespace import Namespace, Tree
 from .store import ExtentStore
 
+log = logging.getLogger(__name__)
+
 
 def open_device(path, *, readonly=False, retry_window=0.0):
     """The device at ``path``; under a test fault plan ($KVFS_TEST_FAULTS, kvfs/faults.py) wrapped in it."""
@@ -25,6 +29,14 @@ def open_device(path, *, readonly=False, retry_window=0.0):
     except BaseException:
         device.close()
         raise
+
+
+def _warn_if_readable_by_others(path):
+    """A store file others can read gives them every tenant's data and the key secret."""
+    st = os.stat(path)
+    if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+        log.warning("%s is accessible to users other than its owner (mode %o): they can read every "
+                    "file's data and the content-key secret; chmod 600 it", path, st.st_mode & 0o777)
 
 
 def _replay(store, index, load):
@@ -50,8 +62,14 @@ class IndexRefs:
     def key_of(self, data):
         return self.index.key_of(data)
 
-    def add_ref(self, key, off, length):
-        self.index.add_ref(key, off, length)
+    def add_ref(self, key, off, length, domain=0):
+        self.index.add_ref(key, off, length, domain)
+
+    def domain_of(self, uid):
+        return self.index.domain_of(uid)
+
+    def public_id(self, key):
+        return self.index.public_id(key)
 
     def drop_ref(self, key):
         self.index.drop_ref(key)
@@ -99,10 +117,15 @@ class Filesystem:
         """
         device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0))
         try:
+            _warn_if_readable_by_others(path)
             store = ExtentStore.open(device)
             if not readonly:
                 store.reserve_metadata_space()
-            index = BlockIndex(store)
+            index = BlockIndex(store, dedup_groups=getattr(options, "dedup_groups", None),
+                               dedup_verify=getattr(options, "dedup_verify", False))
+            if not store.key_secret:
+                log.warning("format version 1 store: dedup is shared by all users (no key secret); "
+                            "a version 2 store (mkfs.kvfs) keeps each user's blocks apart")
             cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
                                read_depth=options.read_depth, flush_workers=options.flush_workers)
             namespace = Namespace(cache, now=now,
@@ -164,6 +187,8 @@ class Filesystem:
             "data_bytes_written": idx.data_bytes_written,
             "blocks_written": idx.blocks_written,
             "dedup_hits": idx.dedup_hits,
+            "dedup_verify_reads": idx.dedup_verify_reads,
+            "dedup_collisions": idx.dedup_collisions,
             "zero_blocks": cache.zero_blocks,
             "writers_throttled": cache.writers_throttled,
             "corrupt_reads": idx.corrupt_reads,

@@ -79,8 +79,14 @@ class BlockCache(ReadSide, WriteBack):
     def key_of(self, data):
         return self.index.key_of(data)
 
-    def add_ref(self, key, off, length):
-        self.index.add_ref(key, off, length)
+    def add_ref(self, key, off, length, domain=0):
+        self.index.add_ref(key, off, length, domain)
+
+    def domain_of(self, uid):
+        return self.index.domain_of(uid)
+
+    def public_id(self, key):
+        return self.index.public_id(key)
 
     def drop_ref(self, key):
         self.index.drop_ref(key)
@@ -88,8 +94,8 @@ class BlockCache(ReadSide, WriteBack):
     def has_block(self, key):
         return key in self.index.entries
 
-    def extent_of(self, key):
-        return self.index.extent(key)
+    def block_ref(self, key):
+        return self.index.block_ref(key)
 
     def block_count(self):
         return self.index.block_count()

@@ -21,10 +21,12 @@ class FileData:
     pinned in the index), or a :class:`Dirty` buffer.
     """
 
-    __slots__ = ("size", "blocks", "dirty_count", "failed", "prefetched_upto", "progress", "__weakref__")
+    __slots__ = ("size", "blocks", "dirty_count", "failed", "prefetched_upto", "progress", "domain",
+                 "__weakref__")
 
-    def __init__(self, size=0, blocks=()):
+    def __init__(self, size=0, blocks=(), domain=0):
         self.size = size
+        self.domain = domain               # dedup domain its new blocks are stored in (the owner's)
         self.blocks = list(blocks)
         self.dirty_count = 0
         self.failed = None              # the error class once a flush failed for good: reads raise it

@@ -11,7 +11,7 @@ import logging
 import trio
 
 from ..aligned import new_buffer
-from ..errors import KvfsError, NoSpace
+from ..errors import DedupCollision, KvfsError, NoSpace
 from .filedata import Dirty, all_zero
 
 log = logging.getLogger(__name__)
@@ -192,12 +192,13 @@ class WriteBack:
         buf = d.buf
         view = memoryview(buf)[:length]
         try:
-            key = None if all_zero(view) else await self.index.store_block(view, source=buf)
+            key = None if all_zero(view) else await self.index.store_block(view, source=buf, domain=filedata.domain)
         except KvfsError as exc:
             d.attempts += 1
             d.queued = False
             log.error("flushing a block failed (attempt %d): %s", d.attempts, exc)
-            if d.attempts >= FLUSH_RETRIES or isinstance(exc, NoSpace):
+            # No space, or a dedup hit on other bytes: trying again cannot help.
+            if d.attempts >= FLUSH_RETRIES or isinstance(exc, (NoSpace, DedupCollision)):
                 self._fail_file(filedata, type(exc))
             else:
                 await trio.sleep(0.2 * d.attempts)

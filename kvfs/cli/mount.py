@@ -9,6 +9,7 @@ import sys
 
 import trio
 
+from ..blockindex import DedupDomains
 from ..daemon import Daemon, Filesystem, MountOptions
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
 from ..namespace.policy import POLICIES
@@ -103,7 +104,7 @@ def parse_options(text):
             continue
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
                                               "low_watermark", "eviction_policy", "metrics_port",
-                                              "metrics_addr", "io_retry"}
+                                              "metrics_addr", "io_retry", "dedup_groups", "dedup_verify"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -131,6 +132,12 @@ def parse_options(text):
                 opts.metrics_port = _port(value)
             elif name == "metrics_addr":
                 opts.metrics_addr = _ip_address(value)
+            elif name == "dedup_groups":
+                opts.dedup_groups = DedupDomains.parse(value)
+            elif name == "dedup_verify":
+                if value not in ("off", "bytes"):
+                    raise ValueError("(use off or bytes)")
+                opts.dedup_verify = value == "bytes"
             else:
                 log_path = os.path.abspath(value)
         except argparse.ArgumentTypeError as exc:          # parse_size names the value itself
@@ -236,7 +243,8 @@ def main(argv):
                            f"({DEFAULT_STORE}, created and formatted on first use).",
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
-                      "by_hash=root|owner, high_watermark=PCT (default 90), low_watermark=PCT "
+                      "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
+                      "domain), dedup_verify=off|bytes, high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")

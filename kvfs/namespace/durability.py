@@ -108,7 +108,7 @@ class Durability:
             # Rewritten with identical bytes (LMCache after a restart): nothing
             # changed on the device, so nothing is written, not even a record.
             return
-        blocks = tuple(None if k is None else schema.BlockRef(k, *self.cache.extent_of(k)) for k in keys)
+        blocks = tuple(None if k is None else self.cache.block_ref(k) for k in keys)
         self._emit(schema.Content(inode.ino, filedata.size, inode.mtime, inode.ctime, blocks))
         self.evictor.sealed(inode)
         if self.evictor.over_high_watermark():

@@ -40,7 +40,9 @@ class BlockRefs(Protocol):
     """What the tree asks of the layer below it."""
 
     def key_of(self, data: bytes) -> bytes: ...
-    def add_ref(self, key: bytes, off: int, length: int) -> None: ...
+    def add_ref(self, key: bytes, off: int, length: int, domain: int = 0) -> None: ...
+    def domain_of(self, uid: int) -> int: ...
+    def public_id(self, key: bytes) -> bytes: ...
     def drop_ref(self, key: bytes) -> None: ...
     def has_block(self, key: bytes) -> bool: ...
     def block_count(self) -> int: ...
@@ -112,7 +114,7 @@ class Tree:
         for inode in self.inodes.values():
             if inode.is_file:
                 present = [k if k is None or self.blocks.has_block(k) else None for k in inode.committed]
-                inode.data = FileData(inode.size_committed, present)
+                inode.data = FileData(inode.size_committed, present, self.blocks.domain_of(inode.uid))
                 if present != inode.committed:
                     log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                     inode.data.failed = CorruptBlock
@@ -169,6 +171,8 @@ class Tree:
             self._meta_bytes += INODE_ROW_COST + len(rec.target or b"")
             self.next_ino = max(self.next_ino, rec.ino + 1)
             self._link(self.inodes[rec.parent], rec.name, inode, rec.ns)
+            if inode.data is not None:
+                inode.data.domain = self.blocks.domain_of(inode.uid)
             if inode.is_file:
                 self._set_committed(inode, 0, [])
                 inode.provisional = True
@@ -190,12 +194,14 @@ class Tree:
         elif isinstance(rec, schema.Attrs):
             inode = self.inodes[rec.ino]
             inode.mode, inode.uid, inode.gid = rec.mode, rec.uid, rec.gid
+            if inode.data is not None:      # new blocks go to the new owner's dedup domain
+                inode.data.domain = self.blocks.domain_of(inode.uid)
             inode.atime, inode.mtime, inode.ctime = rec.atime, rec.mtime, rec.ctime
         elif isinstance(rec, schema.Content):
             inode = self.inodes[rec.ino]
             for block in rec.blocks:
                 if block is not None:
-                    self.blocks.add_ref(block.key, block.off, block.length)
+                    self.blocks.add_ref(block.key, block.off, block.length, block.domain)
             for key in inode.committed:
                 if key is not None:
                     self.blocks.drop_ref(key)
@@ -281,8 +287,13 @@ class Tree:
                 del self.by_content[inode.content_key]
 
     def content_key_of(self, size, keys):
-        """The key of a whole content: what ``user.kvfs.key`` shows and by-hash names."""
-        return self.blocks.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
+        """The public key of a whole content: what ``user.kvfs.key`` shows and by-hash names.
+
+        Block keys are domain-keyed, so the same bytes owned by two tenants get
+        two keys; the public form reveals nothing about the secret behind them.
+        """
+        internal = self.blocks.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
+        return self.blocks.public_id(internal)
 
     # -- metadata space ---------------------------------------------------------
     @staticmethod

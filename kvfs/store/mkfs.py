@@ -52,6 +52,10 @@ def make_filesystem(path, size=None, block_size=schema.DEFAULT_BLOCK_SIZE, force
 
 
 def _format(path, block_size, check_existing):
+    if stat.S_ISREG(os.stat(path).st_mode):
+        # The superblock holds the content-key secret, and the data is every
+        # tenant's: only root (the owner) may read a store file (docs/reliability.md).
+        os.chmod(path, 0o600)
     device = Device.open(path)
     try:
         if check_existing:

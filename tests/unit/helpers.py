@@ -45,10 +45,11 @@ class Clock:
         return self.t
 
 
-def options(*, cache_size=32 * BS, dirty_limit=16 * BS, read_depth=8, flush_workers=4, io_retry=0.0):
+def options(*, cache_size=32 * BS, dirty_limit=16 * BS, read_depth=8, flush_workers=4, io_retry=0.0,
+            **more):
     # io_retry 0: an injected EIO is an error at once (tests of the retry window set it).
     return MountOptions(cache_size=cache_size, dirty_limit=dirty_limit, read_depth=read_depth,
-                        flush_workers=flush_workers, io_retry=io_retry)
+                        flush_workers=flush_workers, io_retry=io_retry, **more)
 
 
 def slow_writes(seconds):
