@@ -100,6 +100,40 @@ class DedupDomains:
         return domain
 
 
+class IndexCut:
+    """The block rows at a checkpoint's cut, copy-on-write like kvfs/namespace/cut.py's TreeCut.
+
+    Only ``refs`` of an entry ever changes (its extent and domain are fixed at
+    creation), so the index saves an entry's refs before it changes them, and
+    :meth:`build` (a worker thread) reads the live entry, then prefers a saved
+    value. Entries made after the cut are not in it: their extents were free
+    at the cut, and the store's copy of the free map says so.
+    """
+
+    def __init__(self, index):
+        self.entries = dict(index.entries)
+        self.writing = [(off, n) for _, off, n in index._writing.values()]
+        self._refs = {}
+
+    def preserve(self, key, entry):
+        if key not in self._refs and self.entries.get(key) is entry:
+            self._refs[key] = entry.refs
+
+    def build(self):
+        """(BlockRows of the cut, extents only RAM knew about at the cut: free for the checkpoint)."""
+        blocks, transient = [], list(self.writing)
+        for key, e in self.entries.items():
+            refs = self._refs.get(key)
+            if refs is None:
+                refs = e.refs
+                refs = self._refs.get(key, refs)
+            if refs:
+                blocks.append(schema.BlockRow(key, e.off, e.length, refs, e.domain))
+            else:
+                transient.append((e.off, e.length))
+        return blocks, transient
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexStatistics:
     unique_blocks: int
@@ -132,6 +166,7 @@ class BlockIndex:
         self._blocks_written = self._data_bytes_written = 0
         self._dedup_hits = self._corrupt_reads = 0
         self._dedup_verify_reads = self._dedup_collisions = 0
+        self._cut = None            # an IndexCut while a checkpoint builds its rows
 
     # -- keys -------------------------------------------------------------
     def key_of(self, data, domain=0):
@@ -181,10 +216,21 @@ class BlockIndex:
     async def commit(self):
         await self.store.commit()
 
-    async def checkpoint(self, state):
-        """Add the blocks to the namespace's ``state`` and write it (no await before the store takes it)."""
-        blocks, transient = self.snapshot()
-        await self.store.checkpoint(dataclasses.replace(state, blocks=blocks), transient)
+    def cut(self):
+        """Cut the index and the store at this instant, for a checkpoint (see IndexCut)."""
+        assert self._cut is None, "one checkpoint at a time"
+        self._cut = IndexCut(self)
+        return self._cut, self.store.cut()
+
+    def end_cut(self):
+        self._cut = None
+
+    async def write_checkpoint(self, cuts, state):
+        """Add the cut's blocks (built in a worker thread) to the namespace's ``state`` and write it."""
+        index_cut, store_cut = cuts
+        blocks, transient = await trio.to_thread.run_sync(index_cut.build, limiter=self.hash_limiter)
+        self.end_cut()
+        await self.store.write_checkpoint(store_cut, dataclasses.replace(state, blocks=blocks), transient)
 
     def checkpoint_capacity(self):
         return self.store.checkpoint_capacity()
@@ -219,10 +265,14 @@ class BlockIndex:
             self.used_bytes += align_up(length)
         elif (e.off, e.length, e.domain) != (off, length, domain):
             raise FormatError(f"block {key.hex()} recorded at two extents")
+        if self._cut is not None:
+            self._cut.preserve(key, e)
         e.refs += 1
 
     def drop_ref(self, key):
         e = self.entries[key]
+        if self._cut is not None:
+            self._cut.preserve(key, e)
         e.refs -= 1
         self._maybe_free(key, e)
 

@@ -112,8 +112,14 @@ class BlockCache(ReadSide, WriteBack):
     async def commit(self):
         await self.index.commit()
 
-    async def checkpoint(self, state):
-        await self.index.checkpoint(state)
+    def cut_for_checkpoint(self):
+        return self.index.cut()
+
+    def end_cut(self):
+        self.index.end_cut()
+
+    async def write_checkpoint(self, cuts, state):
+        await self.index.write_checkpoint(cuts, state)
 
     def checkpoint_capacity(self):
         return self.index.checkpoint_capacity()

@@ -29,6 +29,7 @@ from typing import Protocol
 from .. import schema
 from ..blockcache import FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound
+from .cut import TreeCut
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
                      Inode)
 
@@ -62,6 +63,7 @@ class Tree:
         self.pinned = set()        # files never evicted (durable: the checkpoint's "pinned")
         self.on_drop = None        # called with an inode that left the durable namespace
         self._meta_bytes = 0       # inode rows, entries, targets, block lists (see INODE_ROW_COST)
+        self._cut = None           # a checkpoint's TreeCut while its rows are being built
 
     # -- lookups --------------------------------------------------------------
     def inode(self, ino):
@@ -146,8 +148,27 @@ class Tree:
             self._forget_content_key(self.inodes.pop(ino))
         log.info("dropped %d file(s) created but never closed or fsynced before the crash", len(doomed))
 
+    def cut(self):
+        """Take a copy-on-write cut for a checkpoint (kvfs/namespace/cut.py); ``end_cut`` ends it."""
+        assert self._cut is None, "one checkpoint at a time"
+        self._cut = TreeCut(self)
+        return self._cut
+
+    def end_cut(self):
+        self._cut = None
+
+    def preserve(self, inode):
+        """Called before a durable field of ``inode`` changes (the cut keeps the old value)."""
+        if self._cut is not None:
+            self._cut.preserve(inode)
+
+    def _preserve_name(self, directory, name):
+        if self._cut is not None:
+            self._cut.preserve(directory)
+            self._cut.preserve_name(directory, name)
+
     def snapshot(self):
-        """The namespace's part of a CheckpointState (the block index adds the blocks)."""
+        """The namespace's part of a CheckpointState, synchronously (fsck; checkpoints use ``cut``)."""
         rows = []
         for inode in self.inodes.values():
             if inode.is_dir:
@@ -178,6 +199,7 @@ class Tree:
                 inode.provisional = True
         elif isinstance(rec, schema.Link):
             inode = self.inodes[rec.ino]
+            self.preserve(inode)
             self._link(self.inodes[rec.parent], rec.name, inode, rec.ns)
             inode.nlink += 1
             inode.ctime = rec.ns
@@ -186,6 +208,7 @@ class Tree:
         elif isinstance(rec, schema.Move):
             src_dir, dst_dir = self.inodes[rec.old_parent], self.inodes[rec.new_parent]
             inode = self.inodes[src_dir.entries.get(rec.old_name)]
+            self.preserve(inode)
             if dst_dir.entries.get(rec.new_name) is not None:
                 self._unlink(dst_dir, rec.new_name, rec.ns)
             self._unlink(src_dir, rec.old_name, rec.ns, keep=True)
@@ -193,12 +216,14 @@ class Tree:
             inode.ctime = rec.ns
         elif isinstance(rec, schema.Attrs):
             inode = self.inodes[rec.ino]
+            self.preserve(inode)
             inode.mode, inode.uid, inode.gid = rec.mode, rec.uid, rec.gid
             if inode.data is not None:      # new blocks go to the new owner's dedup domain
                 inode.data.domain = self.blocks.domain_of(inode.uid)
             inode.atime, inode.mtime, inode.ctime = rec.atime, rec.mtime, rec.ctime
         elif isinstance(rec, schema.Content):
             inode = self.inodes[rec.ino]
+            self.preserve(inode)
             for block in rec.blocks:
                 if block is not None:
                     self.blocks.add_ref(block.key, block.off, block.length, block.domain)
@@ -212,6 +237,8 @@ class Tree:
             raise FormatError(f"unknown journal record {rec!r:.60}")
 
     def _link(self, directory, name, inode, ns):
+        self._preserve_name(directory, name)
+        self.preserve(inode)
         directory.entries.add(name, inode.ino)
         if inode.names is not None and not self.loading:
             inode.names.add((directory.ino, name))
@@ -223,6 +250,8 @@ class Tree:
 
     def _unlink(self, directory, name, ns, keep=False):
         inode = self.inodes[directory.entries.get(name)]
+        self._preserve_name(directory, name)
+        self.preserve(inode)
         directory.entries.remove(name)
         if inode.names is not None:
             inode.names.discard((directory.ino, name))
@@ -272,6 +301,7 @@ class Tree:
             self.destroy(inode)
 
     def _set_committed(self, inode, size, keys):
+        self.preserve(inode)
         self._forget_content_key(inode)
         self._meta_bytes += FILE_KEY_COST * (len(keys) - len(inode.committed))
         inode.committed = keys

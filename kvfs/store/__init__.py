@@ -44,6 +44,13 @@ class StoreStatistics:
     pending_free_bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreCut:
+    appended: int            # records appended before the cut: the checkpoint covers them
+    free_map: tuple          # Allocator.copy_state() at the cut
+    pending_frees: list      # extents freed by records before the cut, not yet reusable
+
+
 class ExtentStore:
     """Allocator + journal + checkpoints over one open :class:`~kvfs.device.Device`."""
 
@@ -60,6 +67,7 @@ class ExtentStore:
         self._appended = 0              # records appended since mount (monotonic)
         self._durable = 0               # of those, how many are durable
         self._pending_frees = []        # (appended-count, off, nbytes) awaiting durability
+        self._encode_limiter = trio.CapacityLimiter(1)   # checkpoint encoding, off the event loop
         self.replaying = True           # frees take effect at once during replay
         self._commit_lock = trio.Lock()
         self._commits = self._checkpoints = 0
@@ -195,14 +203,29 @@ class ExtentStore:
         records appended before this call: take it and call this without an
         await in between. ``transient`` lists extents only RAM knows about
         (pinned or in-flight blocks): free as far as the checkpoint is concerned.
-        The free map is computed here, synchronously, for the same moment.
         """
-        upto = self._appended
-        free = Allocator(self.sb.data_off, self.sb.data_len, self.allocator.extents())
-        for off, n in [*transient, *((off, n) for _, off, n in self._pending_frees)]:
-            free.free(off, n)
-        state = dataclasses.replace(state, free=free.extents())
-        payload = msgpack.packb(state.to_wire())
+        await self.write_checkpoint(self.cut(), state, transient)
+
+    def cut(self):
+        """What a checkpoint needs of the store at this instant: cheap copies, no await."""
+        return StoreCut(self._appended, self.allocator.copy_state(),
+                        [(off, n) for _, off, n in self._pending_frees])
+
+    async def write_checkpoint(self, cut, state, transient=()):
+        """Write ``state``, the namespace and blocks at ``cut``, with the free map at the cut.
+
+        The free map and the msgpack encoding are built in a worker thread:
+        for a large store they take seconds, and the event loop keeps serving.
+        """
+        upto = cut.appended
+
+        def encode():
+            free = Allocator(self.sb.data_off, self.sb.data_len, Allocator.extents_of(cut.free_map))
+            for off, n in [*transient, *cut.pending_frees]:
+                free.free(off, n)
+            return msgpack.packb(dataclasses.replace(state, free=free.extents()).to_wire())
+
+        payload = await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
         if schema.SECTOR + len(payload) > self.sb.checkpoint_len:
             raise NoSpace(f"metadata ({len(payload)} bytes) exceeds the checkpoint slot "
                           f"({self.sb.checkpoint_len} bytes)")

@@ -39,6 +39,15 @@ class Allocator:
     def extents(self):
         return [(s, self._len[s]) for s in self._starts]
 
+    def copy_state(self):
+        """A cheap copy of the map (two C-level copies): ``extents_of`` turns it into extents later."""
+        return self._starts.copy(), self._len.copy()
+
+    @staticmethod
+    def extents_of(state):
+        starts, lengths = state
+        return [(s, lengths[s]) for s in starts]
+
     def allocate(self, nbytes):
         nbytes = schema.align_up(nbytes)
         count = len(self._starts)

@@ -1,0 +1,104 @@
+"""A copy-on-write cut of the durable namespace: a checkpoint's rows, built off the event loop.
+
+A checkpoint must hold the state at one instant: exactly the records appended
+before it. Building a million inode rows takes seconds, and on the event loop
+that would stall every FUSE request for as long. So the instant is a *cut*:
+
+* taking it (``Tree.cut``, on the loop) copies only the inode dict (one C-level
+  copy, no Python work per inode) and the small ``pinned`` set;
+* from then on, the tree calls :meth:`TreeCut.preserve` before it changes a
+  durable field of an inode that existed at the cut, and
+  :meth:`TreeCut.preserve_name` before it adds or removes a directory entry.
+  The first call per inode (per name) saves its value *at the cut*; later ones
+  cost a dict lookup;
+* :meth:`TreeCut.build` runs in a worker thread and makes each row from the
+  saved value if there is one, else from the live inode.
+
+Why a live read in the thread is safe: every change saves the old value
+before it touches the inode. The thread reads an inode's fields and *then*
+checks for a saved value. If a change began before that check, its saved value
+exists and wins; if none exists at the check, no change had begun, so the
+fields the thread read were all the cut's. A directory's entries are copied
+with ``dict.copy`` (atomic under the GIL), and then the names changed since the
+cut (fetched after the copy) are put back to their values at the cut.
+
+The tree ends the cut (:meth:`Tree.end_cut`) once the rows are built.
+"""
+import dataclasses
+
+from .. import schema
+
+ABSENT = None                 # preserve_name: the name did not exist at the cut
+
+
+@dataclasses.dataclass(frozen=True)
+class CutStatistics:
+    rows_built_off_loop: int    # inode rows made in the worker thread from the live inode
+    rows_saved_on_loop: int     # inode rows saved on the loop because a change came first
+    names_saved_on_loop: int    # directory entries saved on the loop for the same reason
+
+
+def inode_fields(inode):
+    """What a checkpoint row says about ``inode``, less a directory's entries."""
+    if inode.is_dir:
+        payload = inode.parent
+    elif inode.is_file:
+        payload = [inode.size_committed, inode.committed]      # the list is replaced, never changed
+    else:
+        payload = inode.target
+    return (inode.mode, inode.uid, inode.gid, inode.nlink, inode.rdev,
+            inode.atime, inode.mtime, inode.ctime, payload, inode.provisional)
+
+
+class TreeCut:
+    def __init__(self, tree):
+        self.inodes = dict(tree.inodes)
+        self.next_ino = tree.next_ino
+        self.pinned = sorted(tree.pinned)
+        self._saved = {}          # ino -> inode_fields at the cut
+        self._names = {}          # directory ino -> {name: child ino at the cut, or ABSENT}
+        self._built = 0
+
+    # -- called by the tree, on the loop, before a change ------------------------
+    def preserve(self, inode):
+        if inode.ino not in self._saved and self.inodes.get(inode.ino) is inode:
+            self._saved[inode.ino] = inode_fields(inode)
+
+    def preserve_name(self, directory, name):
+        if self.inodes.get(directory.ino) is directory:
+            names = self._names.setdefault(directory.ino, {})
+            if name not in names:
+                names[name] = directory.entries.get(name)
+
+    # -- in a worker thread ---------------------------------------------------------
+    def build(self):
+        """The namespace's CheckpointState at the cut (blocks and free map are added below)."""
+        rows, provisional = [], []
+        for ino, inode in self.inodes.items():           # our own copy: nobody changes it
+            fields = self._saved.get(ino)
+            if fields is None:
+                fields = inode_fields(inode)
+                fields = self._saved.get(ino, fields)    # a change began meanwhile: its saved value
+                self._built += 1
+            *attrs, payload, is_provisional = fields
+            if inode.is_dir:
+                payload = [payload, self._entries_at_cut(inode)]
+            rows.append(schema.InodeRow(ino, *attrs, payload))
+            if is_provisional:
+                provisional.append(ino)
+        return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
+                                      provisional=provisional, pinned=self.pinned)
+
+    def _entries_at_cut(self, directory):
+        entries = {name: ino for name, (ino, _) in directory.entries.by_name.copy().items()}
+        changed = self._names.get(directory.ino)
+        if changed:
+            for name, ino in changed.copy().items():
+                if ino is ABSENT:
+                    entries.pop(name, None)
+                else:
+                    entries[name] = ino
+        return list(entries.items())
+
+    def statistics(self):
+        return CutStatistics(self._built, len(self._saved), sum(len(n) for n in self._names.values()))
