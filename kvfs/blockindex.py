@@ -23,6 +23,7 @@ import xxhash
 
 from . import schema
 from .aligned import align_up
+from .crashpoints import crashpoint
 from .errors import CorruptBlock, FormatError, NoSpace, SpaceAwaitsCommit
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ class BlockIndex:
         finally:
             del self._writing[key]
             done.set()
+        crashpoint("block-written")
         self.entries[key] = BlockEntry(off, len(data), pins=1)
         self.used_bytes += align_up(len(data))
         self._blocks_written += 1
