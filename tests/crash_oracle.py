@@ -163,6 +163,11 @@ class Workload:
 
     def __init__(self, mnt, oracle):
         self.mnt, self.oracle = mnt, oracle
+        self.trace = []             # what it did, for a failure message
+
+    def note(self, text):
+        self.trace.append(text)
+        del self.trace[:-50]
 
     def path(self, name):
         return os.path.join(self.mnt, name)
@@ -170,6 +175,7 @@ class Workload:
     def put(self, name, data, *, fsync=False):
         """Create or O_TRUNC-rewrite ``name`` with ``data`` in one write, then close (fsync first if asked)."""
         self.oracle.will_write(name, data)
+        self.note(f"put {name} {len(data)} bytes{' fsync' if fsync else ''}")
         fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(data)
@@ -183,10 +189,12 @@ class Workload:
 
     def remove(self, name):
         self.oracle.will_remove(name)
+        self.note(f"unlink {name}")
         os.unlink(self.path(name))
 
     def rename(self, src, dst):
         self.oracle.will_rename(src, dst)
+        self.note(f"rename {src} {dst}")
         os.rename(self.path(src), self.path(dst))
 
     def sync_dir(self):

@@ -158,13 +158,22 @@ class KvfsMount:
         assert not self.mounted
         self.pid = None
 
-    def kill9(self):
-        """Crash the daemon and clean up the dead mount like an operator would."""
+    def kill9(self, detach=True):
+        """Crash the daemon and clean up the dead mount like an operator would.
+
+        ``detach=False`` leaves the dead mount in place (every syscall on it gets
+        ENOTCONN, none reaches the bare mountpoint) until :meth:`detach`.
+        """
         pid = self.pid or self.stats()["pid"]
         os.kill(pid, signal.SIGKILL)
         wait_exited(pid, 30)        # it re-parents to init, so we cannot reap it ourselves
-        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
         self.pid = None
+        if detach:
+            self.detach()
+
+    def detach(self):
+        """Lazily unmount a mount whose daemon is dead."""
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
 
     def wait_crashed(self, point, timeout=30):
         """Wait for the daemon to die at crash point ``point``, then clean up its dead mount.
@@ -174,7 +183,7 @@ class KvfsMount:
         pid = self.pid
         if not wait_exited(pid, timeout):
             raise AssertionError(f"daemon {pid} did not die at crash point {point!r} within {timeout} s")
-        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        self.detach()
         self.pid = None
         said = f"crash point {point!r} reached"
         logs = "".join(p.read_text(errors="replace") for p in sorted(self.logs) if p.exists())
