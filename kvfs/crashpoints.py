@@ -49,8 +49,9 @@ CRASH_POINTS = {
                             "appended, the move not yet",
     "rename-replaced": "Namespace.rename over an existing file: the move is appended and applied (the "
                        "old target's blocks released in RAM), before any commit",
-    "dedup-unlink": "Namespace.unlink of a file whose blocks other files share: the Remove is appended and "
-                    "applied (shared reference counts dropped), before any commit",
+    "dedup-unlink": "Namespace.unlink of one of several identical copies (same content key, shared "
+                    "blocks): the Remove is appended and applied (shared reference counts dropped), before "
+                    "any commit",
     "flush-backpressure": "WriteBack._admit: a writer held back by dirty_limit or by space was woken by a "
                           "finished flush while other flushes may still be running",
 }

@@ -260,3 +260,32 @@ def test_unknown_or_malformed_crash_point_refuses_to_mount(kvfs_factory):
         assert not fs.mounted
         if value == "no-such-point":
             assert re.search(r"known: .*torn-frame", proc.stderr), proc.stderr
+
+
+def test_crash_in_the_checkpoint_after_replay_replays_again(kvfs_factory):
+    """Mount folds a replayed journal into a checkpoint before it serves; dying there
+    (the new payload over the older slot, no header) leaves the journal to replay again."""
+    fs = kvfs_factory(size="256M", block_size="64K", mount_options=["commit_interval=60"])
+    fs.mkfs()
+    fs.mount()
+    oracle = Oracle()
+    w = Workload(fs.mnt, oracle)
+    base(w)
+    fs.umount()
+    oracle.flushed_all()
+    fs.mount()
+    w.put("late", blob(70, 2 * BS + 3), fsync=True)      # in the journal only
+    w.remove("unlinkme")
+    w.sync_dir()
+    fs.kill9()
+    with pytest.raises(AssertionError, match="exited before the mount was live"):
+        fs.mount(crash="checkpoint-payload-written")
+    fs.detach()
+    said = "crash point 'checkpoint-payload-written' reached"
+    assert said in fs.log.read_text(), "the daemon did not die in the checkpoint after replay"
+    fs.assert_fsck_clean()
+    fs.mount()
+    torn, lost, files = check_after_remount(fs, oracle, BS)
+    assert not torn and not lost, f"torn: {torn}\nlost: {lost}"
+    assert files["late"] == blob(70, 2 * BS + 3) and "unlinkme" not in files
+    fs.umount()

@@ -5,9 +5,10 @@ O_TRUNC rewrites of varied sizes (empty, one byte short of a block, a block and
 a byte, several blocks with a ragged tail, some written in pieces), duplicates
 of earlier contents (dedup across files and writers), fsyncs (some of them
 mid-file, before the rest is written), renames over existing names, unlinks,
-directory fsyncs, and now and then ``kvfs-admin checkpoint`` or ``kvfs-admin
+directory fsyncs, publishing (a temp file renamed over a name), and now and then ``kvfs-admin checkpoint`` or ``kvfs-admin
 evict`` of one file. The daemon commits every 0.2 s, so the crash lands in
-every phase: while blocks are written, while frames are, between them.
+every phase: while blocks are written, while frames are, between them; every
+other round runs on a slower device (3 ms a write) and writers meet dirty_limit.
 
 Each round the test SIGKILLs the daemon after a random delay, checks the
 crashed store with fsck, remounts, and judges every name with the oracle of
@@ -167,6 +168,10 @@ class Writer:
                     self.put_in_pieces(name, data)
                 else:
                     w.put(name, data, fsync=rng.random() < 0.3)
+            elif roll < 0.62:
+                name, tmp = self.name(), f"{self.prefix}/tmp"   # publish: write a temp file, rename it over
+                w.put(tmp, self.content())
+                w.rename(tmp, name)
             elif roll < 0.7:
                 src = self.existing()
                 if src is not None:
@@ -224,7 +229,9 @@ def test_random_kill9_rounds_lose_and_tear_nothing(kvfs_factory):
     seed = int(os.environ.get("KVFS_CRASH_SEED", random.randrange(1 << 32)))
     print(f"crash test seed {seed} (rerun with KVFS_CRASH_SEED={seed}), {ROUNDS} rounds")
     rng = random.Random(seed)
-    fs = kvfs_factory(size="512M", block_size="64K", mount_options=["commit_interval=0.2"])
+    # A small dirty_limit, so writers also wait for flushes (back-pressure) when the kill comes.
+    fs = kvfs_factory(size="512M", block_size="64K", faults=[],
+                      mount_options=["commit_interval=0.2", "dirty_limit=1M"])
     fs.mkfs()
     fs.mount()
     for i in range(WRITERS):
@@ -252,6 +259,8 @@ def test_random_kill9_rounds_lose_and_tear_nothing(kvfs_factory):
             assert wr.error is None, f"{where}: {wr.prefix} failed:\n{wr.error}"
         proc = fs.fsck()
         assert proc.returncode == 0, f"{where}: fsck of the crashed store:\n{proc.stdout}\n{proc.stderr}"
+        # Every other round on a slow device: more blocks in flight, unnamed, at the kill.
+        fs.set_faults([{"op": "write", "effect": "delay", "seconds": 0.003}] if round_no % 2 == 0 else [])
         fs.mount()
         torn, lost, actual = judge_all(fs, oracles)
         totals["rounds"] += 1
