@@ -6,9 +6,10 @@ a byte, several blocks with a ragged tail, some written in pieces), duplicates
 of earlier contents (dedup across files and writers), fsyncs (some of them
 mid-file, before the rest is written), renames over existing names, unlinks,
 directory fsyncs, publishing (a temp file renamed over a name), and now and
-then ``kvfs-admin checkpoint`` or ``kvfs-admin evict`` of one file. The daemon commits every 0.2 s, so the crash lands in
-every phase: while blocks are written, while frames are, between them; every
-other round runs on a slower device (3 ms a write) and writers meet dirty_limit.
+then ``kvfs-admin checkpoint`` or ``kvfs-admin evict`` of one file. The
+daemon commits every 0.2 s, so the crash lands in every phase: while blocks are
+written, while frames are, between them; every other round runs on a slower
+device (3 ms a write) and writers meet dirty_limit.
 
 Each round the test SIGKILLs the daemon after a random delay, checks the
 crashed store with fsck, remounts, and judges every name with the oracle of
