@@ -36,6 +36,7 @@ import xxhash
 
 from . import schema
 from .aligned import align_up
+from .crashpoints import crashpoint
 from .errors import CorruptBlock, DedupCollision, FormatError, InvalidArgument, NoSpace, SpaceAwaitsCommit
 
 log = logging.getLogger(__name__)
@@ -358,6 +359,7 @@ class BlockIndex:
         finally:
             del self._writing[key]
             done.set()
+        crashpoint("block-written")
         self.entries[key] = BlockEntry(off, len(data), pins=1, domain=domain)
         self.used_bytes += align_up(len(data))
         self._blocks_written += 1

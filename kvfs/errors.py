@@ -73,6 +73,13 @@ class NotFound(FsError):
     errno = _errno.ENOENT
 
 
+class Stale(FsError):
+    """The kernel's cached name leads to an inode that is gone (evicted): ESTALE makes the
+    kernel look the name up again, so open(O_CREAT) creates a new file instead of failing."""
+
+    errno = _errno.ESTALE
+
+
 class Exists(FsError):
     errno = _errno.EEXIST
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvfs import faults
+from kvfs import crashpoints, faults
 
 from kvfs.cli.admin import wait_exited
 
@@ -120,7 +120,8 @@ class KvfsMount:
             args += ["--block-size", self.block_size]
         return run_tool("mkfs", *args, *extra, self.device)
 
-    def mount(self, *options):
+    def mount(self, *options, crash=None):
+        """Mount; ``crash`` ("name" or "name@N", kvfs/crashpoints.py) arms a crash point in this daemon only."""
         opts = [*self.mount_options, *options]
         logs = [o.partition("=")[2] for o in opts if o.startswith("log=")]
         if logs:
@@ -130,8 +131,10 @@ class KvfsMount:
         args = [self.device, self.mnt, "-o", ",".join(opts)]
         if self not in KvfsMount.made:
             KvfsMount.made.append(self)
-        env = None if self.faults_file is None else {faults.ENV: f"@{self.faults_file}"}
-        run_tool("mount", *args, timeout=120, env=env)
+        env = {} if self.faults_file is None else {faults.ENV: f"@{self.faults_file}"}
+        if crash is not None:
+            env[crashpoints.ENV] = crash
+        run_tool("mount", *args, timeout=120, env=env or None)
         self.pid = self.stats()["pid"]
         return self
 
@@ -155,13 +158,36 @@ class KvfsMount:
         assert not self.mounted
         self.pid = None
 
-    def kill9(self):
-        """Crash the daemon and clean up the dead mount like an operator would."""
+    def kill9(self, detach=True):
+        """Crash the daemon and clean up the dead mount like an operator would.
+
+        ``detach=False`` leaves the dead mount in place (every syscall on it gets
+        ENOTCONN, none reaches the bare mountpoint) until :meth:`detach`.
+        """
         pid = self.pid or self.stats()["pid"]
         os.kill(pid, signal.SIGKILL)
         wait_exited(pid, 30)        # it re-parents to init, so we cannot reap it ourselves
-        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
         self.pid = None
+        if detach:
+            self.detach()
+
+    def detach(self):
+        """Lazily unmount a mount whose daemon is dead."""
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+
+    def wait_crashed(self, point, timeout=30):
+        """Wait for the daemon to die at crash point ``point``, then clean up its dead mount.
+
+        Fails unless it died, and its log says it died at that point.
+        """
+        pid = self.pid
+        if not wait_exited(pid, timeout):
+            raise AssertionError(f"daemon {pid} did not die at crash point {point!r} within {timeout} s")
+        self.detach()
+        self.pid = None
+        said = f"crash point {point!r} reached"
+        logs = "".join(p.read_text(errors="replace") for p in sorted(self.logs) if p.exists())
+        assert said in logs, f"daemon {pid} died, but its log never says {said!r}"
 
     def wait_daemon_exit(self, pid, timeout=60):
         """Wait until the daemon has exited (a zombie awaiting its reaper counts)."""

@@ -11,6 +11,7 @@ import logging
 import trio
 
 from ..aligned import new_buffer
+from ..crashpoints import crashpoint
 from ..errors import DedupCollision, KvfsError, NoSpace
 from .filedata import Dirty, all_zero
 
@@ -113,6 +114,7 @@ class WriteBack:
             while self.dirty_bytes + self.bs > self.dirty_limit:
                 self._flush_oldest()
                 await self._dirty_freed.wait()
+                crashpoint("flush-backpressure")
         self.dirty_bytes += self.bs
         self._s["dirty_max"] = max(self._s["dirty_max"], self.dirty_bytes)
         while True:
@@ -125,6 +127,7 @@ class WriteBack:
                     raise
                 # Flushes in flight may dedup and hand back their reservations.
                 await self._dirty_freed.wait()
+                crashpoint("flush-backpressure")
 
     def _flush_pending(self):
         self._flush_oldest()

@@ -9,6 +9,7 @@ import sys
 
 import trio
 
+from .. import crashpoints
 from ..blockindex import DedupDomains
 from ..daemon import Daemon, Filesystem, MountOptions
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
@@ -257,6 +258,7 @@ def main(argv):
     if len(args.paths) > 2:
         p.error("expected [DEVICE] MOUNTPOINT")
     options, log_path = parse_options(",".join(args.options))
+    crashpoints.arm_from_environment()          # a test hook: refuses a bad $KVFS_TEST_CRASH
     mountpoint = os.path.abspath(args.paths[-1])
     check_mountpoint(mountpoint)
     device = os.path.abspath(args.paths[0]) if len(args.paths) == 2 else ensure_default_store()

@@ -17,6 +17,7 @@ import time
 import trio
 
 from .. import schema
+from ..crashpoints import crashpoint
 from ..errors import (BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
@@ -256,7 +257,10 @@ class Namespace(Durability):
             raise IsADirectory()
         if directory and len(inode.entries):
             raise NotEmpty()
+        shared = inode.is_file and len(self.tree.by_content.get(inode.content_key, ())) > 1
         self._emit(schema.Remove(parent, name, self.now()))
+        if shared:
+            crashpoint("dedup-unlink")
 
     async def rename(self, old_parent, old_name, new_parent, new_name, *, noreplace=False):
         """Rename; a closed file's pending content is recorded first.
@@ -271,11 +275,16 @@ class Namespace(Durability):
         if inode.is_file and inode.content_dirty and not inode.writers:
             await self.seal(inode)
             self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
-        if self.tree.dir(new_parent).entries.get(new_name) == self.tree.dir(old_parent).entries.get(old_name):
+        target = self.tree.dir(new_parent).entries.get(new_name)
+        if target == self.tree.dir(old_parent).entries.get(old_name):
             return                                  # POSIX: renaming a link onto itself does nothing
         if len(new_name) > len(old_name):
             self._charge_metadata(len(new_name) - len(old_name))
+        if target is not None:
+            crashpoint("rename-source-sealed")
         self._emit(schema.Move(old_parent, old_name, new_parent, new_name, self.now()))
+        if target is not None:
+            crashpoint("rename-replaced")
 
     def _check_rename(self, old_parent, old_name, new_parent, new_name, noreplace):
         for parent in (old_parent, new_parent):

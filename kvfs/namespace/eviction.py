@@ -17,6 +17,7 @@ import logging
 import time
 
 from .. import schema
+from ..crashpoints import crashpoint
 from ..errors import InvalidArgument
 from .policy import DEFAULT_POLICY, POLICIES
 
@@ -121,6 +122,7 @@ class Evictor:
             inode.evicted = True
             for parent, name in sorted(inode.names):
                 self.ns._emit(schema.Remove(parent, name, now))
+            crashpoint("evict-file-removed")
             count += 1
             nbytes += size
             since_commit += size
@@ -129,6 +131,7 @@ class Evictor:
                 since_commit = 0
         if count:
             await self.ns.commit()
+            crashpoint("evict-committed")
             self.evictions += count
             self.evicted_bytes += nbytes
             log.info("evicted %d file(s), %d bytes (policy %s, used now %.1f%%)", count, nbytes,

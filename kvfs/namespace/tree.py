@@ -28,7 +28,7 @@ from typing import Protocol
 
 from .. import schema
 from ..blockcache import FileData
-from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound
+from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
 from .cut import TreeCut
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
                      Inode)
@@ -68,8 +68,13 @@ class Tree:
     # -- lookups --------------------------------------------------------------
     def inode(self, ino):
         inode = self.inodes.get(ino) or self.orphans.get(ino)
-        if inode is None or inode.evicted:
+        if inode is None:
             raise NotFound()
+        if inode.evicted:
+            # Eviction removed it behind the kernel's back: the kernel may still hold the
+            # name's entry (entry_timeout). ENOENT would fail open(O_CREAT) of that name;
+            # ESTALE makes the kernel drop the entry and look the name up again.
+            raise Stale("the file was evicted")
         return inode
 
     def dir(self, ino):

@@ -20,6 +20,7 @@ import msgpack
 import trio
 
 from .. import schema
+from ..crashpoints import crashpoint, die, reached
 from ..errors import InternalError, JournalFull, KvfsError, NoSpace
 from .allocator import Allocator
 from .loader import load, read_superblock
@@ -186,6 +187,10 @@ class ExtentStore:
             frame = schema.encode_journal_frame(self.generation, self._frame_seq, payload, self.sb.hash_seed)
             try:
                 await self.device.sync()             # block data before the records naming it
+                crashpoint("commit-data-synced")
+                if reached("torn-frame"):
+                    await self.device.run(self._write_torn_sync, self.sb.journal_off + self._journal_cursor, frame)
+                    die("torn-frame")
                 await self.device.pwrite(self.sb.journal_off + self._journal_cursor, frame)
                 await self.device.sync()
             except BaseException:
@@ -268,8 +273,17 @@ class ExtentStore:
         """
         await self.device.pwrite(off + schema.SECTOR, payload)
         await self.device.sync()
+        crashpoint("checkpoint-payload-written")
         await self.device.pwrite(off, schema.encode_checkpoint_header(generation, payload, self.sb.hash_seed))
         await self.device.sync()
+        crashpoint("checkpoint-header-written")
+
+    def _write_torn_sync(self, off, frame):
+        """Crash test only: the frame's first half over what the device held, made durable."""
+        half = len(frame) // 2
+        old = self.device.pread_sync(off, len(frame))
+        self.device.pwrite_sync(off, bytes(frame[:half]) + bytes(old[half:]))
+        self.device.sync_sync()
 
     async def _made_durable(self, upto):
         """Records up to ``upto`` are durable: discard and then reuse what they freed.
@@ -284,6 +298,7 @@ class ExtentStore:
         self._pending_frees = [f for f in self._pending_frees if f[0] > upto]
         try:
             await self.device.run(self._discard_all, ready)
+            crashpoint("frees-discarded")
         finally:
             for off, nbytes in ready:
                 self.allocator.free(off, nbytes)

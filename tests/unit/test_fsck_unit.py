@@ -210,6 +210,18 @@ def test_wrong_reference_count_is_recomputed(tmp_path):
     trio.run(after)
 
 
+def test_too_low_reference_count_is_found(tmp_path):
+    """A count below the names would free the block while a file still names it (a double free)."""
+    path = mkfs(tmp_path)
+
+    def drop(state, fs):
+        block = state.blocks[0]
+        state.blocks[0] = dataclasses.replace(block, refs=0)
+        drop.key = block.key
+    trio.run(write_inconsistent_checkpoint, path, drop)
+    repair_and_expect_clean(path, f"block {drop.key.hex()}: reference count 0, files name it 1 times")
+
+
 def test_wrong_link_counts_are_recomputed(tmp_path):
     path = mkfs(tmp_path)
 
