@@ -17,7 +17,7 @@ import time
 import trio
 
 from .. import schema
-from ..errors import (BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
+from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
 from .eviction import Admin, Evictor
@@ -74,6 +74,10 @@ class Namespace(Durability):
     def load(self, state, records):
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
         self.tree.load(state, records)
+        try:
+            self.tree.check_shape()
+        except FormatError as exc:
+            raise FormatError(f"the namespace is inconsistent: {exc}: run fsck.kvfs --repair") from None
         self.evictor.load()
 
     # -- space ----------------------------------------------------------------

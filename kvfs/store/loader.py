@@ -69,9 +69,16 @@ class Loaded:
 
     def _decode_records(self, wires, generation, seq):
         out = []
+        if not isinstance(wires, list):
+            wires = [wires]                 # not a list of records: fails as one bad record
         for wire in wires:
             try:
-                out.append(schema.decode_record(wire))
+                record = schema.decode_record(wire)
+                if isinstance(record, schema.Content):
+                    for block in record.blocks:
+                        if block is not None:
+                            check_extent(self.sb, block.off, block.length, "a content record's block")
+                out.append(record)
             except FormatError as exc:
                 if not self.salvage:
                     raise FormatError(f"journal frame {seq} of generation {generation}: {exc}: "
@@ -119,6 +126,8 @@ class Loaded:
         except Exception as exc:
             raise FormatError(f"checkpoint payload does not decode: {exc}") from None
         self.state = schema.CheckpointState.from_wire(wire, FIRST_INO)
+        if not self.salvage:                # fsck reports and repairs the space map itself
+            check_extents(self.sb, self.state)
 
     def _journal_reader(self):
         """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""
@@ -261,4 +270,40 @@ def read_superblock(device):
     if device.size < sb.device_size:
         raise FormatError(f"{device.path} is {device.size} bytes but the filesystem was made for "
                           f"{sb.device_size}: the device is truncated")
+    if sb.checkpoint_len <= schema.SECTOR or sb.journal_len < schema.SECTOR or sb.data_len < sb.block_size:
+        raise FormatError(f"{device.path}: the superblock's regions are too small to use "
+                          f"(checkpoint slots {sb.checkpoint_len}, journal {sb.journal_len}, data "
+                          f"{sb.data_len} bytes): the superblock is corrupt")
     return sb
+
+
+def check_extent(sb, off, length, what):
+    """FormatError unless [off, off+length) is a sector-aligned piece of the data region holding a block."""
+    if off % schema.SECTOR or off < sb.data_off or off + schema.align_up(length) > sb.data_off + sb.data_len:
+        raise FormatError(f"{what} at {off} (+{length}) lies outside the data region")
+    if length > sb.block_size:
+        raise FormatError(f"{what} at {off} is {length} bytes, more than the block size {sb.block_size}")
+
+
+def check_extents(sb, state):
+    """The checkpoint's block extents and free extents lie in the data region and never overlap.
+
+    Mount refuses such a checkpoint: an allocator built over overlapping extents
+    would hand out space that a block still occupies. fsck --repair rebuilds the
+    free map from the blocks.
+    """
+    extents = []
+    for row in state.blocks:
+        check_extent(sb, row.off, row.length, f"block {row.key.hex()}")
+        extents.append((row.off, schema.align_up(row.length), f"block {row.key.hex()}"))
+    for off, length in state.free or ():
+        if off % schema.SECTOR or length % schema.SECTOR or length == 0 or off < sb.data_off \
+                or off + length > sb.data_off + sb.data_len:
+            raise FormatError(f"free extent at {off} (+{length}) lies outside the data region or is "
+                              f"not sector-aligned: the checkpoint's space map is corrupt: run fsck.kvfs")
+        extents.append((off, length, "a free extent"))
+    extents.sort()
+    for (off, length, what), (next_off, _, next_what) in zip(extents, extents[1:]):
+        if off + length > next_off:
+            raise FormatError(f"{what} at {off} overlaps {next_what} at {next_off}: the checkpoint's "
+                              f"space map is corrupt: run fsck.kvfs --repair")
