@@ -178,8 +178,19 @@ class Loaded:
         while True:
             header, payload = self._frame_at(read, cursor)
             if header is None:
-                stop = "no further frame" if cursor + schema.SECTOR <= self.sb.journal_len else stop
-                break
+                found = self._committed_after(read, cursor, generation, seq)
+                if found is None:
+                    stop = "no further frame" if cursor + schema.SECTOR <= self.sb.journal_len else stop
+                    break
+                next_cursor, next_seq = found
+                self.damage.append(f"journal frame {seq} of generation {generation} is gone (no valid header "
+                                   f"at journal offset {cursor}), but frame {next_seq} after it was committed")
+                if not self.salvage:
+                    stop = "missing committed frame"
+                    break
+                lost_frames += next_seq - seq
+                cursor, seq = next_cursor, next_seq
+                continue
             frame_generation, frame_seq, length, _ = header
             if frame_generation > self.generation and cursor == 0 and seq == 0:
                 self._newer_frames_reported = True
@@ -229,6 +240,25 @@ class Loaded:
         self.replay_report = {"frames": seq, "records": len(records), "bytes": cursor, "stopped": stop}
         if lost_frames:
             self.replay_report["lost_frames"] = lost_frames
+
+    def _committed_after(self, read, cursor, generation, seq):
+        """(cursor, seq) of a valid frame of ``generation`` with a sequence number above ``seq``
+        within JOURNAL_READ_WINDOW after ``cursor``, or None.
+
+        Where no header is found replay ends; if a later frame of the same generation
+        follows, the missing one was committed (frames are written one at a time, each
+        after the previous one is durable), so this is damage, not a torn tail. Frames
+        of a generation are never rewritten, and the header hashes are keyed with the
+        filesystem's secret seed, so nothing else passes for such a frame.
+        """
+        end = min(self.sb.journal_len, cursor + JOURNAL_READ_WINDOW)
+        probe = cursor + schema.SECTOR
+        while probe + schema.SECTOR <= end:
+            header = schema.decode_journal_header(read(probe, schema.SECTOR), self.sb.hash_seed)
+            if header is not None and header[0] == generation and header[1] > seq:
+                return probe, header[1]
+            probe += schema.SECTOR
+        return None
 
     def _scan_journal_generations(self):
         """Salvage only: find frames of newer generations anywhere in the journal region.

@@ -21,7 +21,7 @@ import trio
 from hypothesis import HealthCheck, settings
 
 from kvfs import fsck
-from kvfs.errors import KvfsError
+from kvfs.errors import InternalError, KvfsError
 from kvfs.namespace import ROOT_INO
 
 from .helpers import open_fs, running
@@ -63,6 +63,8 @@ def attempt(target, step, fn, *args, **kw):
     with deadline():
         try:
             result = fn(*args, **kw)
+        except InternalError:
+            raise                          # a kvfs bug, even though it is a KvfsError
         except KvfsError as exc:
             message = str(exc)
             assert message.strip() and "\n" not in message, f"{step}: unclear message {message!r}"

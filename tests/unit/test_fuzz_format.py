@@ -288,6 +288,9 @@ journal_payloads = st.one_of(
 @example([["mv", ROOT_INO, b"sub", 17, b"x", 0]], True)          # a directory into itself
 @example([["ln", ROOT_INO, ROOT_INO, b"rootlink", 0]], True)     # a hard link to the root
 @example([["mk", ROOT_INO, b"n", ROOT_INO, 0o100644, 0, 0, 0, 0, None]], True)   # re-make the root
+@example([["mk", 0, b"a", 1, 0o120777, 0, 0, 0, 0, b""]], False)   # found: replaced the root by a symlink
+@example([[["unhashable"], 1]], True)                               # found: TypeError on the tag lookup
+@example({"not": "a list"}, True)
 def test_journal_payload_structures(image, payload, append):
     """Correctly checksummed frames (right generation and sequence) of random msgpack."""
     count_case("journal-payloads")
@@ -413,7 +416,7 @@ def hostile_state(draw, wire):
         elif edit == "block-field" and blocks:
             row = draw(st.sampled_from(blocks))
             row[draw(st.integers(0, 3))] = draw(hostile_ints | msgpack_values)
-        elif edit == "overlap-blocks" and len(blocks) > 1:
+        elif edit == "overlap-blocks" and len(blocks) > 1 and type(blocks[1][1]) is int:
             blocks[0][1] = blocks[1][1] + draw(st.sampled_from([0, S, -S]))
         elif edit == "overlap-free" and blocks and free:
             free.append([blocks[0][1], draw(st.sampled_from([S, BS, 1 << 30]))])
@@ -500,3 +503,62 @@ async def _assert_files(fs, files):
             ino = lookup_path(fs.ns, path.decode())
             assert ino is not None, path
             assert await read_all(fs.ns, ino) == data, path
+
+
+# -- regressions: what the fuzzers found, as plain tests ------------------------------------
+
+def _state_with(img, edit):
+    wire = real_wire(img)
+    edit(wire)
+    return wire
+
+
+def test_directory_cycle_is_refused_at_mount_not_a_hang(image):
+    """Found: a directory whose parent chain loops made rename's ancestor walk spin forever."""
+    def cycle(wire):
+        sub = next(r for r in wire["inodes"] if r[0] != ROOT_INO and r[1] & 0o170000 == 0o040000)
+        sub[9][1].append([b"loop", ROOT_INO])
+    state = loaded_state(image)
+    with image.damaged(write_checkpoint(image, state, _state_with(image, cycle))):
+        with pytest.raises(FormatError, match="namespace is inconsistent.*run fsck.kvfs --repair"):
+            open_fs(image.path, readonly=True).close()
+        report = fsck.check(image.path)
+        assert not report.clean
+
+
+def test_overlapping_block_extents_are_refused_at_mount(image):
+    def overlap(wire):
+        wire["blocks"][1][1] = wire["blocks"][0][1]
+    state = loaded_state(image)
+    with image.damaged(write_checkpoint(image, state, _state_with(image, overlap))):
+        with pytest.raises(FormatError, match="overlaps"):
+            open_fs(image.path, readonly=True).close()
+
+
+def test_record_of_a_wrong_type_is_a_format_error():
+    with pytest.raises(FormatError, match="name is invalid"):
+        schema.decode_record(["mk", ROOT_INO, b"..", 16, 0o100644, 0, 0, 0, 0, None])
+    with pytest.raises(FormatError, match="unknown journal record"):
+        schema.decode_record([[1], 2])
+    with pytest.raises(FormatError, match="block length is invalid"):
+        schema.decode_record(["ct", 16, 1, 0, 0, [[bytes(16), 0, -5]]])
+
+
+def test_superblock_with_an_empty_journal_is_refused_by_the_loader(image):
+    sector = reencoded_superblock(image.read(0, S), {"journal_len": 0})
+    schema.Superblock.decode(sector)                   # the decoder's own checks pass
+    with image.damaged([(0, sector + sector)]):
+        with pytest.raises(FormatError, match="regions are too small"):
+            open_fs(image.path, readonly=True).close()
+
+
+def test_missing_committed_journal_frame_is_refused(image):
+    """Found by tests/test_damaged_device.py: a zeroed first frame header silently dropped the
+    frames after it (fsynced files). The loader looks for a committed successor and refuses."""
+    state = loaded_state(image)
+    assert state.frame_seq >= 2, "the base image needs two frames after its checkpoint"
+    with image.damaged([(image.sb.journal_off, bytes(S))]):
+        with pytest.raises(FormatError, match="journal frame 0 of generation .* is gone"):
+            open_fs(image.path, readonly=True).close()
+        report = fsck.check(image.path)
+        assert any("is gone" in p for p in report.problems), report.problems
