@@ -31,7 +31,7 @@ _EXAMPLES = int(os.environ.get("KVFS_FUZZ_EXAMPLES", "2000"))
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much, HealthCheck.large_base_example])
-settings.register_profile("kvfs-ci", max_examples=150, **_COMMON)
+settings.register_profile("kvfs-ci", max_examples=100, **_COMMON)
 settings.register_profile("kvfs-long", max_examples=_EXAMPLES, **_COMMON)
 PROFILE = "kvfs-long" if os.environ.get("KVFS_FUZZ") == "long" else "kvfs-ci"
 FUZZ = settings(settings.get_profile(PROFILE))
