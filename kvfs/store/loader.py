@@ -75,6 +75,7 @@ class Loaded:
             try:
                 record = schema.decode_record(wire)
                 if isinstance(record, schema.Content):
+                    check_block_count(self.sb, record.size, len(record.blocks), f"inode {record.ino}")
                     for block in record.blocks:
                         if block is not None:
                             check_extent(self.sb, block.off, block.length, "a content record's block")
@@ -128,6 +129,9 @@ class Loaded:
         self.state = schema.CheckpointState.from_wire(wire, FIRST_INO)
         if not self.salvage:                # fsck reports and repairs the space map itself
             check_extents(self.sb, self.state)
+        for row in self.state.inodes:
+            if row.mode & 0o170000 == 0o100000:
+                check_block_count(self.sb, row.size, len(row.keys), f"inode {row.ino}")
 
     def _journal_reader(self):
         """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""
@@ -313,6 +317,18 @@ def check_extent(sb, off, length, what):
         raise FormatError(f"{what} at {off} (+{length}) lies outside the data region")
     if length > sb.block_size:
         raise FormatError(f"{what} at {off} is {length} bytes, more than the block size {sb.block_size}")
+
+
+def check_block_count(sb, size, count, what):
+    """A file of ``size`` bytes names at most ceil(size / block_size) blocks.
+
+    This is what catches a superblock whose block size was changed (a crafted or
+    re-checksummed sector): every file of more than one block would then be read
+    with the wrong block boundaries, which would serve wrong bytes.
+    """
+    if count > -(-size // sb.block_size):
+        raise FormatError(f"{what} names {count} blocks, more than its {size} bytes fill at the block "
+                          f"size of {sb.block_size}: the superblock or the checkpoint is corrupt")
 
 
 def check_extents(sb, state):

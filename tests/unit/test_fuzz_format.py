@@ -160,6 +160,7 @@ def superblock_changes(draw):
 @example({"checkpoint_len": S})             # a slot that cannot hold its own header
 @example({"journal_len": 0})
 @example({"data_len": 0, "device_size": (1 << 64) - 1})
+@example({"block_size": 2 * BS})           # found: files read with the wrong block boundaries
 def test_superblock_field_mutations(image, changes):
     """Valid-checksum superblocks with hostile fields: decode, then the whole loader and fsck."""
     count_case("superblock-fields")
@@ -549,6 +550,15 @@ def test_superblock_with_an_empty_journal_is_refused_by_the_loader(image):
     schema.Superblock.decode(sector)                   # the decoder's own checks pass
     with image.damaged([(0, sector + sector)]):
         with pytest.raises(FormatError, match="regions are too small"):
+            open_fs(image.path, readonly=True).close()
+
+
+def test_a_changed_block_size_is_refused_not_served_with_wrong_boundaries(image):
+    """Found by the long fuzz run: a re-checksummed superblock saying 128 KiB blocks (the
+    store has 64 KiB ones) loaded, and multi-block files read back shifted bytes."""
+    sector = reencoded_superblock(image.read(0, S), {"block_size": 2 * BS})
+    with image.damaged([(0, sector + sector)]):
+        with pytest.raises(FormatError, match="names 4 blocks, more than its 196731 bytes fill"):
             open_fs(image.path, readonly=True).close()
 
 
