@@ -29,6 +29,8 @@ from .device import Device
 from .errors import CorruptBlock, DeviceError, FormatError
 from .namespace import ROOT_INO
 from .stack import load_tree
+from .store import read_superblock
+from .store.loader import check_extent
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ def _check(path, report, repair, verify_data, progress):
             schema.Superblock.decode(head[:schema.SECTOR])
         except FormatError as exc:
             if not repair:
+                read_superblock(device)         # raises, naming the backup if that one is intact
                 raise
             restore_superblock_from_backup(device)
             report.repairs.append(f"primary superblock was bad ({exc}); restored it from the backup")
@@ -147,7 +150,7 @@ def _check(path, report, repair, verify_data, progress):
         state = State(tree.snapshot(), index.rows(), store.free_extents())
         named = _count_names(state)          # before any repair removes a file
         _check_tree(state, report, repair)
-        bad_keys = _check_data(index, state, report, verify_data, progress)
+        bad_keys = _check_data(index, state, report, verify_data, progress, store.sb)
         _check_space(store.sb, state, report)
         _check_blocks(state, report, repair, bad_keys, named)
         if repair and (report.problems or report.repairs):
@@ -243,16 +246,22 @@ def _check_tree(state, report, repair):
     state.paths = paths
 
 
-def _check_data(index, state, report, verify_data, progress=None):
-    """Read back every block and verify its content key; return the bad keys."""
+def _check_data(index, state, report, verify_data, progress=None, sb=None):
+    """Read back every block and verify its content key; return the bad keys.
+
+    A block whose extent is not a readable piece of the data region (a damaged
+    checkpoint) is bad without being read.
+    """
     if not verify_data:
         return set()
     bad = set()
 
     def verify(row):
         try:
+            if sb is not None:
+                check_extent(sb, row.off, row.length, "its extent")
             index.read_verified_sync(row.key, row.off, row.length, domain=row.domain)
-        except (CorruptBlock, DeviceError) as exc:
+        except (CorruptBlock, DeviceError, FormatError) as exc:
             return row.key, str(exc)
         return row.key, None
 

@@ -49,6 +49,8 @@ class Case:
     def path(self, p):
         if p == "@root":
             return self.root
+        if p.startswith("@root/"):                 # a path from the mount root ("@root/..")
+            return self.root + p[5:]
         return os.path.join(self.dir, p)
 
 
@@ -139,6 +141,9 @@ OPS = {
     "chmod": lambda c, p, mode: os.chmod(c.path(p), mode),
     "chown": lambda c, p, uid, gid: os.chown(c.path(p), uid, gid),
     "stat": lambda c, p: os.stat(c.path(p)),
+    "setxattr": lambda c, p, name, size: os.setxattr(c.path(p), name, b"v" * size),
+    "getxattr": lambda c, p, name: os.getxattr(c.path(p), name),
+    "removexattr": lambda c, p, name: os.removexattr(c.path(p), name),
 }
 
 

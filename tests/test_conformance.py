@@ -279,6 +279,53 @@ def generic_cases(who):
     case("rename-name-255", u, ["rename", "f", N255], OK, [F("f")], ["f", N255],
          all_of(gone("f"), facts(N255, nlink=1)))
     case("rename-dot", u, ["rename", "d/.", "x"], errno.EBUSY, [D("d")])
+    # "." and ".." as the name of a new entry, and paths through ".." (the VFS answers most
+    # of these before kvfs sees them: the rows prove nothing reaches kvfs that could break it)
+    for dot in (".", ".."):
+        tag = "dot" if dot == "." else "dotdot"
+        case(f"create-{tag}", u, ["open", dot, [W, CREAT], 0o644], errno.EISDIR, [], ["."], unchanged("."))
+        case(f"mkdir-{tag}", u, ["mkdir", dot, 0o755], errno.EEXIST, [], ["."], unchanged("."))
+        case(f"symlink-named-{tag}", u, ["symlink", "t", dot], errno.EEXIST, [], ["."], unchanged("."))
+        case(f"link-named-{tag}", u, ["link", "f", dot], errno.EEXIST, [F("f")], ["f", "."],
+             unchanged("f", "."))
+        case(f"unlink-{tag}", u, ["unlink", dot], errno.EISDIR, [], ["."], unchanged("."))
+        case(f"rename-file-to-{tag}", u, ["rename", "f", dot], errno.EBUSY, [F("f")], ["f", "."],
+             unchanged("f", "."))
+        case(f"rename-dir-to-{tag}", u, ["rename", "d", dot], errno.EBUSY, [D("d")], ["d"], unchanged("d"))
+    case("rename-dot-source", u, ["rename", ".", "x"], errno.EBUSY, [], ["x"], gone("x"))
+    case("rename-dotdot-source", u, ["rename", "d/..", "x"], errno.EBUSY, [D("d")], ["d", "x"],
+         all_of(unchanged("d"), gone("x")))
+    case("link-dot-source", u, ["link", ".", "x"], errno.EPERM, [], ["x"], gone("x"))
+    case("open-via-dotdot", u, ["open", "d/../f", [RO]], OK, [D("d"), F("f")])
+    case("create-via-dotdot", u, ["open", "d/../new", [W, CREAT], 0o644], OK, [D("d")], ["new"],
+         facts("new", type=stat.S_IFREG))
+    case("stat-mount-root-dotdot", u, ["stat", "@root/.."], OK, note="leaves the mount, as everywhere")
+    case("stat-mount-root-dot-dotdot", u, ["stat", "@root/./../"], OK)
+    # names of 255 and 256 bytes for the operations that take a new name
+    case("symlink-name-255", u, ["symlink", "t", N255], OK, [], [N255], facts(N255, type=stat.S_IFLNK))
+    case("symlink-name-256", u, ["symlink", "t", N256], errno.ENAMETOOLONG, [], ["."], unchanged("."))
+    case("link-name-255", u, ["link", "f", N255], OK, [F("f")], ["f", N255],
+         all_of(facts("f", nlink=2), facts(N255, nlink=2)))
+    case("link-name-256", u, ["link", "f", N256], errno.ENAMETOOLONG, [F("f")], ["f"], unchanged("f"))
+    # extended attributes: kvfs stores none (its own user.kvfs.* names are virtual); the
+    # kernel's limits come first (ERANGE for a name over 255 bytes, E2BIG over XATTR_SIZE_MAX)
+    xattr_note = "kvfs stores no extended attributes and says EOPNOTSUPP"
+    case("setxattr-small", u, ["setxattr", "f", "user.x", 1], errno.EOPNOTSUPP, [F("f")], ["f"],
+         unchanged("f"), ref=False, note=xattr_note)
+    case("setxattr-name-255", u, ["setxattr", "f", "user." + "n" * 250, 1], errno.EOPNOTSUPP, [F("f")],
+         ref=False, note=xattr_note)
+    case("setxattr-name-256", u, ["setxattr", "f", "user." + "n" * 251, 1], errno.ERANGE, [F("f")], ["f"],
+         unchanged("f"))
+    case("getxattr-name-256", u, ["getxattr", "f", "user." + "n" * 251], errno.ERANGE, [F("f")])
+    case("setxattr-value-65536", u, ["setxattr", "f", "user.x", 65536], errno.EOPNOTSUPP, [F("f")],
+         ref=False, note=xattr_note)
+    case("setxattr-value-65537", u, ["setxattr", "f", "user.x", 65537], errno.E2BIG, [F("f")], ["f"],
+         unchanged("f"))
+    case("getxattr-missing", u, ["getxattr", "f", "user.missing"], errno.ENODATA, [F("f")])
+    case("removexattr-missing", u, ["removexattr", "f", "user.missing"], errno.EOPNOTSUPP, [F("f")],
+         ref=False, note=xattr_note + " (tmpfs and ext4: ENODATA)")
+    case("setxattr-kvfs-key", u, ["setxattr", "f", "user.kvfs.key", 32], errno.EOPNOTSUPP, [F("f")],
+         ref=False, note="user.kvfs.key is computed from the content, never set")
     # truncate / ftruncate
     case("truncate-grow", u, ["truncate", "f", 10000], OK, [F("f", content="abc")], ["f"],
          all_of(sized("f", 10000), moved("f"), moved("f", field="ctime_ns")))

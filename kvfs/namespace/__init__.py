@@ -18,7 +18,7 @@ import trio
 
 from .. import schema
 from ..crashpoints import crashpoint
-from ..errors import (BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
+from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
 from .eviction import Admin, Evictor
@@ -82,6 +82,10 @@ class Namespace(Durability):
     def load(self, state, records):
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
         self.tree.load(state, records)
+        try:
+            self.tree.check_shape()
+        except FormatError as exc:
+            raise FormatError(f"the namespace is inconsistent: {exc}: run fsck.kvfs --repair") from None
         self.evictor.load()
 
     # -- space ----------------------------------------------------------------

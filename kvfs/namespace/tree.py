@@ -22,6 +22,7 @@ The tree needs from below only a small set of block services (``BlockRefs``):
 the block cache in a mount, the block index itself in fsck, which loads a
 namespace without a cache.
 """
+import collections
 import logging
 import stat
 from typing import Protocol
@@ -94,7 +95,8 @@ class Tree:
         for row in state.inodes:
             self._load_inode(row)
         for ino in state.provisional:
-            self.inodes[ino].provisional = True
+            if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional
+                self.inodes[ino].provisional = True
         self.pinned = set(state.pinned)
         if ROOT_INO not in self.inodes:     # a fresh filesystem: mkfs writes an empty state
             root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now=self.now())
@@ -140,6 +142,44 @@ class Tree:
         elif stat.S_ISLNK(row.mode):
             inode.target = row.payload
         self.inodes[row.ino] = inode
+
+    def check_shape(self):
+        """FormatError unless the loaded namespace is a tree that the live operations can work on.
+
+        Mount calls this after replay (fsck does not: it reports and repairs the same
+        defects). Every entry names an existing inode, every directory has exactly one
+        name and its parent is that name's directory, every inode is reachable from the
+        root (so the parents of directories hold no cycle), and link counts match.
+        """
+        root = self.inodes[ROOT_INO]
+        if not root.is_dir or root.parent != ROOT_INO:
+            raise FormatError("the root is not a directory that is its own parent")
+        names = collections.Counter()
+        for directory in [i for i in self.inodes.values() if i.is_dir]:
+            for name, (child, _) in directory.entries.by_name.items():
+                node = self.inodes.get(child)
+                if node is None:
+                    raise FormatError(f"directory {directory.ino} entry {name!r} names missing inode {child}")
+                if child == ROOT_INO or (node.is_dir and node.parent != directory.ino):
+                    raise FormatError(f"directory {child} is listed in {directory.ino}, but its parent "
+                                      f"is {node.parent}")
+                names[child] += 1
+        seen, todo = {ROOT_INO}, [root]
+        while todo:
+            for child, _ in todo.pop().entries.by_name.values():
+                if child not in seen:
+                    seen.add(child)
+                    if self.inodes[child].is_dir:
+                        todo.append(self.inodes[child])
+        for inode in self.inodes.values():
+            if inode.ino not in seen:
+                raise FormatError(f"inode {inode.ino} is not reachable from the root")
+            subdirs = sum(1 for c, _ in inode.entries.by_name.values() if self.inodes[c].is_dir) \
+                if inode.is_dir else 0
+            want = 2 + subdirs if inode.is_dir else names[inode.ino]
+            if (inode.is_dir and names[inode.ino] > 1) or inode.nlink != want:
+                raise FormatError(f"inode {inode.ino} has link count {inode.nlink} and "
+                                  f"{names[inode.ino]} name(s)")
 
     def _drop_provisional(self):
         """Remove files whose content was never recorded: they were in flight at a crash."""
@@ -190,29 +230,43 @@ class Tree:
 
     # -- record application (shared by live operations and replay) ----------
     def apply(self, rec):
+        """Apply one record. A record that cannot apply to this tree (an unknown inode, a
+        name that is taken or missing, a directory moved into itself) raises FormatError
+        before anything changes: replay of a damaged or crafted journal stops there."""
         if isinstance(rec, schema.Make):
+            directory = self._dir_for(rec, rec.parent, rec.name, present=False)
+            if rec.ino in self.inodes or rec.ino in self.orphans:
+                raise FormatError(f"{rec!r:.80}: inode {rec.ino} exists already")
             inode = Inode(rec.ino, rec.mode, rec.uid, rec.gid, rec.rdev, rec.ns)
             inode.target = rec.target
             self.inodes[rec.ino] = inode
             self._meta_bytes += INODE_ROW_COST + len(rec.target or b"")
             self.next_ino = max(self.next_ino, rec.ino + 1)
-            self._link(self.inodes[rec.parent], rec.name, inode, rec.ns)
+            self._link(directory, rec.name, inode, rec.ns)
             if inode.data is not None:
                 inode.data.domain = self.blocks.domain_of(inode.uid)
             if inode.is_file:
                 self._set_committed(inode, 0, [])
                 inode.provisional = True
         elif isinstance(rec, schema.Link):
-            inode = self.inodes[rec.ino]
+            inode = self._known(rec, rec.ino)
+            if inode.is_dir:
+                raise FormatError(f"{rec!r:.80}: a hard link to a directory")
             self.preserve(inode)
-            self._link(self.inodes[rec.parent], rec.name, inode, rec.ns)
+            self._link(self._dir_for(rec, rec.parent, rec.name, present=False), rec.name, inode, rec.ns)
             inode.nlink += 1
             inode.ctime = rec.ns
         elif isinstance(rec, schema.Remove):
-            self._unlink(self.inodes[rec.parent], rec.name, rec.ns)
+            directory = self._dir_for(rec, rec.parent, rec.name, present=True)
+            victim = self._known(rec, directory.entries.get(rec.name))
+            if victim.is_dir and len(victim.entries):
+                raise FormatError(f"{rec!r:.80}: removes a directory that is not empty")
+            self._unlink(directory, rec.name, rec.ns)
         elif isinstance(rec, schema.Move):
-            src_dir, dst_dir = self.inodes[rec.old_parent], self.inodes[rec.new_parent]
-            inode = self.inodes[src_dir.entries.get(rec.old_name)]
+            src_dir = self._dir_for(rec, rec.old_parent, rec.old_name, present=True)
+            dst_dir = self._dir_for(rec, rec.new_parent, rec.new_name, present=None)
+            inode = self._known(rec, src_dir.entries.get(rec.old_name))
+            self._check_move(rec, inode, dst_dir)
             self.preserve(inode)
             if dst_dir.entries.get(rec.new_name) is not None:
                 self._unlink(dst_dir, rec.new_name, rec.ns)
@@ -220,14 +274,18 @@ class Tree:
             self._link(dst_dir, rec.new_name, inode, rec.ns)
             inode.ctime = rec.ns
         elif isinstance(rec, schema.Attrs):
-            inode = self.inodes[rec.ino]
+            inode = self._known(rec, rec.ino)
+            if stat.S_IFMT(rec.mode) != stat.S_IFMT(inode.mode):
+                raise FormatError(f"{rec!r:.80}: changes the file type of inode {rec.ino}")
             self.preserve(inode)
             inode.mode, inode.uid, inode.gid = rec.mode, rec.uid, rec.gid
             if inode.data is not None:      # new blocks go to the new owner's dedup domain
                 inode.data.domain = self.blocks.domain_of(inode.uid)
             inode.atime, inode.mtime, inode.ctime = rec.atime, rec.mtime, rec.ctime
         elif isinstance(rec, schema.Content):
-            inode = self.inodes[rec.ino]
+            inode = self._known(rec, rec.ino)
+            if not inode.is_file:
+                raise FormatError(f"{rec!r:.80}: inode {rec.ino} is not a regular file")
             self.preserve(inode)
             for block in rec.blocks:
                 if block is not None:
@@ -240,6 +298,37 @@ class Tree:
             inode.provisional = False
         else:
             raise FormatError(f"unknown journal record {rec!r:.60}")
+
+    def _known(self, rec, ino):
+        inode = self.inodes.get(ino)
+        if inode is None:
+            raise FormatError(f"{rec!r:.80}: names inode {ino}, which does not exist")
+        return inode
+
+    def _dir_for(self, rec, ino, name, *, present):
+        """The directory ``ino`` of a record; ``present``: must ``name`` be in it (None: either)."""
+        directory = self._known(rec, ino)
+        if not directory.is_dir:
+            raise FormatError(f"{rec!r:.80}: inode {ino} is not a directory")
+        if present is not None and (directory.entries.get(name) is not None) != present:
+            raise FormatError(f"{rec!r:.80}: {'no' if present else 'an'} entry {name!r} in directory {ino}")
+        return directory
+
+    def _check_move(self, rec, inode, dst_dir):
+        victim = self.inodes.get(dst_dir.entries.get(rec.new_name))
+        if victim is not None and victim is not inode and (
+                victim.is_dir != inode.is_dir or (victim.is_dir and len(victim.entries))):
+            raise FormatError(f"{rec!r:.80}: cannot replace {rec.new_name!r}")
+        if victim is inode:
+            raise FormatError(f"{rec!r:.80}: renames an entry onto itself")
+        if inode.is_dir:
+            up, steps = dst_dir, 0
+            while up.ino != ROOT_INO and steps <= len(self.inodes):   # bounded: a damaged tree may loop
+                if up is inode:
+                    raise FormatError(f"{rec!r:.80}: moves a directory into itself")
+                up, steps = self.inodes.get(up.parent), steps + 1
+                if up is None:
+                    break
 
     def _link(self, directory, name, inode, ns):
         self._preserve_name(directory, name)

@@ -21,6 +21,7 @@ from dataclasses import field
 from typing import ClassVar, Optional
 
 from ..errors import FormatError
+from .validate import check_record, check_state
 
 
 def doc(text):
@@ -150,16 +151,17 @@ def decode_record(wire):
     """A record from its msgpack list; FormatError for an unknown tag or a wrong field count."""
     if not isinstance(wire, (list, tuple)) or not wire:
         raise FormatError(f"journal record is not a list: {wire!r:.60}")
-    cls = _BY_TAG.get(wire[0])
+    cls = _BY_TAG.get(wire[0]) if isinstance(wire[0], str) else None
     if cls is None:
         raise FormatError(f"unknown journal record {wire[0]!r}")
     if len(wire) != 1 + len(dataclasses.fields(cls)):
         raise FormatError(f"journal record {wire[0]!r} has {len(wire) - 1} fields, expected "
                           f"{len(dataclasses.fields(cls))}")
     try:
-        return cls.from_wire(wire[1:])
+        record = cls.from_wire(wire[1:])
     except (TypeError, ValueError) as exc:
         raise FormatError(f"journal record {wire[0]!r} is malformed: {exc}") from None
+    return check_record(record)
 
 
 # -- checkpoint state -------------------------------------------------------------
@@ -253,11 +255,12 @@ class CheckpointState:
             raise FormatError("checkpoint payload is not a map")
         try:
             free = wire.get("free")
-            return cls(next_ino=wire.get("next_ino", first_ino),
-                       inodes=[InodeRow(*row) for row in wire.get("inodes", ())],
-                       blocks=[BlockRow(*row) for row in wire.get("blocks", ())],
-                       free=None if free is None else [tuple(e) for e in free],
-                       provisional=list(wire.get("provisional", ())),
-                       pinned=list(wire.get("pinned", ())))
+            state = cls(next_ino=wire.get("next_ino", first_ino),
+                        inodes=[InodeRow(*row) for row in wire.get("inodes", ())],
+                        blocks=[BlockRow(*row) for row in wire.get("blocks", ())],
+                        free=None if free is None else [tuple(e) for e in free],
+                        provisional=list(wire.get("provisional", ())),
+                        pinned=list(wire.get("pinned", ())))
         except (TypeError, ValueError) as exc:
             raise FormatError(f"checkpoint payload is malformed: {exc}") from None
+        return check_state(state)

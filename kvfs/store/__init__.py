@@ -21,7 +21,7 @@ import trio
 
 from .. import schema
 from ..crashpoints import crashpoint, die, reached
-from ..errors import InternalError, JournalFull, KvfsError, NoSpace
+from ..errors import FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from .allocator import Allocator
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
@@ -59,7 +59,10 @@ class ExtentStore:
         self.device = device
         self.sb = loaded.sb
         state = loaded.state
-        self.allocator = Allocator(self.sb.data_off, self.sb.data_len, state.free, slot=self.sb.block_size)
+        try:
+            self.allocator = Allocator(self.sb.data_off, self.sb.data_len, state.free, slot=self.sb.block_size)
+        except FormatError as exc:
+            raise FormatError(f"the checkpoint's free-space map is corrupt ({exc})") from None
         self.generation = loaded.generation
         self._active_slot = loaded.active_slot    # slot index holding the newest checkpoint
         self._journal_cursor = loaded.journal_cursor   # bytes of journal used in this generation

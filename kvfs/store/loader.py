@@ -69,9 +69,17 @@ class Loaded:
 
     def _decode_records(self, wires, generation, seq):
         out = []
+        if not isinstance(wires, list):
+            wires = [wires]                 # not a list of records: fails as one bad record
         for wire in wires:
             try:
-                out.append(schema.decode_record(wire))
+                record = schema.decode_record(wire)
+                if isinstance(record, schema.Content):
+                    check_block_count(self.sb, record.size, len(record.blocks), f"inode {record.ino}")
+                    for block in record.blocks:
+                        if block is not None:
+                            check_extent(self.sb, block.off, block.length, "a content record's block")
+                out.append(record)
             except FormatError as exc:
                 if not self.salvage:
                     raise FormatError(f"journal frame {seq} of generation {generation}: {exc}: "
@@ -119,6 +127,11 @@ class Loaded:
         except Exception as exc:
             raise FormatError(f"checkpoint payload does not decode: {exc}") from None
         self.state = schema.CheckpointState.from_wire(wire, FIRST_INO)
+        if not self.salvage:                # fsck reports and repairs the space map itself
+            check_extents(self.sb, self.state)
+        for row in self.state.inodes:
+            if row.mode & 0o170000 == 0o100000:
+                check_block_count(self.sb, row.size, len(row.keys), f"inode {row.ino}")
 
     def _journal_reader(self):
         """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""
@@ -169,8 +182,19 @@ class Loaded:
         while True:
             header, payload = self._frame_at(read, cursor)
             if header is None:
-                stop = "no further frame" if cursor + schema.SECTOR <= self.sb.journal_len else stop
-                break
+                found = self._committed_after(read, cursor, generation, seq)
+                if found is None:
+                    stop = "no further frame" if cursor + schema.SECTOR <= self.sb.journal_len else stop
+                    break
+                next_cursor, next_seq = found
+                self.damage.append(f"journal frame {seq} of generation {generation} is gone (no valid header "
+                                   f"at journal offset {cursor}), but frame {next_seq} after it was committed")
+                if not self.salvage:
+                    stop = "missing committed frame"
+                    break
+                lost_frames += next_seq - seq
+                cursor, seq = next_cursor, next_seq
+                continue
             frame_generation, frame_seq, length, _ = header
             if frame_generation > self.generation and cursor == 0 and seq == 0:
                 self._newer_frames_reported = True
@@ -221,6 +245,25 @@ class Loaded:
         if lost_frames:
             self.replay_report["lost_frames"] = lost_frames
 
+    def _committed_after(self, read, cursor, generation, seq):
+        """(cursor, seq) of a valid frame of ``generation`` with a sequence number above ``seq``
+        within JOURNAL_READ_WINDOW after ``cursor``, or None.
+
+        Where no header is found replay ends; if a later frame of the same generation
+        follows, the missing one was committed (frames are written one at a time, each
+        after the previous one is durable), so this is damage, not a torn tail. Frames
+        of a generation are never rewritten, and the header hashes are keyed with the
+        filesystem's secret seed, so nothing else passes for such a frame.
+        """
+        end = min(self.sb.journal_len, cursor + JOURNAL_READ_WINDOW)
+        probe = cursor + schema.SECTOR
+        while probe + schema.SECTOR <= end:
+            header = schema.decode_journal_header(read(probe, schema.SECTOR), self.sb.hash_seed)
+            if header is not None and header[0] == generation and header[1] > seq:
+                return probe, header[1]
+            probe += schema.SECTOR
+        return None
+
     def _scan_journal_generations(self):
         """Salvage only: find frames of newer generations anywhere in the journal region.
 
@@ -261,4 +304,52 @@ def read_superblock(device):
     if device.size < sb.device_size:
         raise FormatError(f"{device.path} is {device.size} bytes but the filesystem was made for "
                           f"{sb.device_size}: the device is truncated")
+    if sb.checkpoint_len <= schema.SECTOR or sb.journal_len < schema.SECTOR or sb.data_len < sb.block_size:
+        raise FormatError(f"{device.path}: the superblock's regions are too small to use "
+                          f"(checkpoint slots {sb.checkpoint_len}, journal {sb.journal_len}, data "
+                          f"{sb.data_len} bytes): the superblock is corrupt")
     return sb
+
+
+def check_extent(sb, off, length, what):
+    """FormatError unless [off, off+length) is a sector-aligned piece of the data region holding a block."""
+    if off % schema.SECTOR or off < sb.data_off or off + schema.align_up(length) > sb.data_off + sb.data_len:
+        raise FormatError(f"{what} at {off} (+{length}) lies outside the data region")
+    if length > sb.block_size:
+        raise FormatError(f"{what} at {off} is {length} bytes, more than the block size {sb.block_size}")
+
+
+def check_block_count(sb, size, count, what):
+    """A file of ``size`` bytes names at most ceil(size / block_size) blocks.
+
+    This is what catches a superblock whose block size was changed (a crafted or
+    re-checksummed sector): every file of more than one block would then be read
+    with the wrong block boundaries, which would serve wrong bytes.
+    """
+    if count > -(-size // sb.block_size):
+        raise FormatError(f"{what} names {count} blocks, more than its {size} bytes fill at the block "
+                          f"size of {sb.block_size}: the superblock or the checkpoint is corrupt")
+
+
+def check_extents(sb, state):
+    """The checkpoint's block extents and free extents lie in the data region and never overlap.
+
+    Mount refuses such a checkpoint: an allocator built over overlapping extents
+    would hand out space that a block still occupies. fsck --repair rebuilds the
+    free map from the blocks.
+    """
+    extents = []
+    for row in state.blocks:
+        check_extent(sb, row.off, row.length, f"block {row.key.hex()}")
+        extents.append((row.off, schema.align_up(row.length), f"block {row.key.hex()}"))
+    for off, length in state.free or ():
+        if off % schema.SECTOR or length % schema.SECTOR or length == 0 or off < sb.data_off \
+                or off + length > sb.data_off + sb.data_len:
+            raise FormatError(f"free extent at {off} (+{length}) lies outside the data region or is "
+                              f"not sector-aligned: the checkpoint's space map is corrupt: run fsck.kvfs")
+        extents.append((off, length, "a free extent"))
+    extents.sort()
+    for (off, length, what), (next_off, _, next_what) in zip(extents, extents[1:]):
+        if off + length > next_off:
+            raise FormatError(f"{what} at {off} overlaps {next_what} at {next_off}: the checkpoint's "
+                              f"space map is corrupt: run fsck.kvfs --repair")

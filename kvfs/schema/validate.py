@@ -1,0 +1,222 @@
+"""Type and range checks of decoded records and checkpoint state (what the device may not lie about).
+
+A checksum proves that bytes are the ones written, not that the writer was
+kvfs: a crafted or buggy store can hold well-checksummed msgpack of any shape.
+Everything below the decoders trusts field types (an inode number is an int, a
+name is 1..255 bytes without '/'), so the decoders check them here and raise
+FormatError naming the field; the layers then only meet values they can handle.
+Relations between fields (does an entry name an existing inode? do extents
+overlap?) are the loader's and the namespace's business, not checked here.
+"""
+import stat
+
+from ..errors import FormatError
+
+U32 = (1 << 32) - 1
+U64 = (1 << 64) - 1
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+NAME_MAX = 255
+RESERVED_INOS = 16              # 0..15: 1 the root, 2 and 3 virtual; the rest unused
+ROOT = 1
+KEY_LEN = 16
+MAX_BLOCK_LEN = 16 << 20        # layout.MAX_BLOCK_SIZE (the superblock bounds it further)
+FILE_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR,
+              stat.S_IFBLK)
+
+
+def _fail(what, value):
+    raise FormatError(f"{what} is invalid: {value!r:.60}")
+
+
+def uint(value, what, top=U64):
+    if type(value) is not int or not 0 <= value <= top:
+        _fail(what, value)
+    return value
+
+
+def time_ns(value, what):
+    if type(value) is not int or not I64_MIN <= value <= I64_MAX:
+        _fail(what, value)
+
+
+def ino(value, what):
+    if type(value) is not int or not (value == ROOT or RESERVED_INOS <= value <= U64):
+        _fail(what, value)
+    return value
+
+
+def name(value, what):
+    if (type(value) is not bytes or not 1 <= len(value) <= NAME_MAX or b"/" in value or b"\0" in value
+            or value in (b".", b"..")):
+        _fail(what, value)
+
+
+def mode(value, what):
+    if type(value) is not int or not 0 <= value <= 0o177777 or stat.S_IFMT(value) not in FILE_TYPES:
+        _fail(what, value)
+    return value
+
+
+def key(value, what):
+    if type(value) is not bytes or len(value) != KEY_LEN:
+        _fail(what, value)
+
+
+def target(value, what):
+    # No upper bound: a mount only ever gets targets under PATH_MAX from the kernel,
+    # but the layers accept longer ones, and the journal and slot sizes bound them.
+    if type(value) is not bytes or not value:
+        _fail(what, value)
+
+
+def extent_length(value, what):
+    if type(value) is not int or not 1 <= value <= MAX_BLOCK_LEN:
+        _fail(what, value)
+
+
+# -- journal records ---------------------------------------------------------------
+
+def check_record(rec):
+    """Raise FormatError unless every field of ``rec`` has its type and range."""
+    tag = rec.TAG
+    check = _RECORD_CHECKS[tag]
+    check(rec, f"journal record {tag!r}")
+    return rec
+
+
+def _make(rec, w):
+    ino(rec.parent, f"{w} parent")
+    name(rec.name, f"{w} name")
+    if type(rec.ino) is not int or not RESERVED_INOS <= rec.ino <= U64:
+        _fail(f"{w} inode number", rec.ino)
+    mode(rec.mode, f"{w} mode")
+    uint(rec.uid, f"{w} uid", U32)
+    uint(rec.gid, f"{w} gid", U32)
+    uint(rec.rdev, f"{w} rdev")
+    time_ns(rec.ns, f"{w} time")
+    if stat.S_ISLNK(rec.mode):
+        target(rec.target, f"{w} symlink target")
+    elif rec.target is not None:
+        _fail(f"{w} target of a non-symlink", rec.target)
+
+
+def _link(rec, w):
+    ino(rec.ino, f"{w} inode")
+    ino(rec.parent, f"{w} parent")
+    name(rec.name, f"{w} name")
+    time_ns(rec.ns, f"{w} time")
+
+
+def _remove(rec, w):
+    ino(rec.parent, f"{w} parent")
+    name(rec.name, f"{w} name")
+    time_ns(rec.ns, f"{w} time")
+
+
+def _move(rec, w):
+    ino(rec.old_parent, f"{w} old parent")
+    name(rec.old_name, f"{w} old name")
+    ino(rec.new_parent, f"{w} new parent")
+    name(rec.new_name, f"{w} new name")
+    time_ns(rec.ns, f"{w} time")
+
+
+def _attrs(rec, w):
+    ino(rec.ino, f"{w} inode")
+    mode(rec.mode, f"{w} mode")
+    uint(rec.uid, f"{w} uid", U32)
+    uint(rec.gid, f"{w} gid", U32)
+    for field in ("atime", "mtime", "ctime"):
+        time_ns(getattr(rec, field), f"{w} {field}")
+
+
+def _content(rec, w):
+    ino(rec.ino, f"{w} inode")
+    uint(rec.size, f"{w} size", I64_MAX)
+    time_ns(rec.mtime, f"{w} mtime")
+    time_ns(rec.ctime, f"{w} ctime")
+    for block in rec.blocks:
+        if block is not None:
+            key(block.key, f"{w} block key")
+            uint(block.off, f"{w} block offset")
+            extent_length(block.length, f"{w} block length")
+            uint(block.domain, f"{w} block domain")
+
+
+_RECORD_CHECKS = {"mk": _make, "ln": _link, "rm": _remove, "mv": _move, "at": _attrs, "ct": _content}
+
+
+# -- checkpoint state ----------------------------------------------------------------
+
+def check_state(state):
+    """Raise FormatError unless the CheckpointState's rows have their types and ranges.
+
+    Also refused: two rows of one inode number or of one block key, a root that
+    is not a directory.
+    """
+    uint(state.next_ino, "checkpoint next_ino")
+    seen = set()
+    for row in state.inodes:
+        _inode_row(row)
+        if row.ino in seen:
+            raise FormatError(f"checkpoint holds inode {row.ino} twice")
+        seen.add(row.ino)
+    keys = set()
+    for row in state.blocks:
+        key(row.key, "checkpoint block key")
+        uint(row.off, "checkpoint block offset")
+        extent_length(row.length, "checkpoint block length")
+        uint(row.refs, "checkpoint block refs")
+        uint(row.domain, "checkpoint block domain")
+        if row.key in keys:
+            raise FormatError(f"checkpoint holds block {row.key.hex()} twice")
+        keys.add(row.key)
+    for extent in state.free or ():
+        if len(extent) != 2:
+            _fail("checkpoint free extent", extent)
+        uint(extent[0], "checkpoint free extent offset")
+        uint(extent[1], "checkpoint free extent length")
+    for number in state.provisional:
+        uint(number, "checkpoint provisional inode")
+    for number in state.pinned:
+        uint(number, "checkpoint pinned inode")
+    return state
+
+
+def _inode_row(row):
+    w = f"checkpoint inode {row.ino!r:.20}"
+    ino(row.ino, "checkpoint inode number")
+    kind = stat.S_IFMT(mode(row.mode, f"{w} mode"))
+    if row.ino == ROOT and kind != stat.S_IFDIR:
+        _fail("checkpoint root (not a directory) mode", row.mode)
+    uint(row.uid, f"{w} uid", U32)
+    uint(row.gid, f"{w} gid", U32)
+    uint(row.nlink, f"{w} nlink", U32)
+    uint(row.rdev, f"{w} rdev")
+    for field in ("atime", "mtime", "ctime"):
+        time_ns(getattr(row, field), f"{w} {field}")
+    payload = row.payload
+    if kind == stat.S_IFDIR:
+        if not isinstance(payload, (list, tuple)) or len(payload) != 2 or not isinstance(payload[1], (list, tuple)):
+            _fail(f"{w} directory payload", payload)
+        ino(payload[0], f"{w} parent")
+        names = set()
+        for entry in payload[1]:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                _fail(f"{w} entry", entry)
+            name(entry[0], f"{w} entry name")
+            ino(entry[1], f"{w} entry inode")
+            if entry[0] in names:
+                _fail(f"{w} entry name (given twice)", entry[0])
+            names.add(entry[0])
+    elif kind == stat.S_IFREG:
+        if not isinstance(payload, (list, tuple)) or len(payload) != 2 or not isinstance(payload[1], (list, tuple)):
+            _fail(f"{w} file payload", payload)
+        uint(payload[0], f"{w} size", I64_MAX)
+        for k in payload[1]:
+            if k is not None:
+                key(k, f"{w} block key")
+    elif kind == stat.S_IFLNK:
+        target(payload, f"{w} symlink target")
+    elif payload is not None:
+        _fail(f"{w} payload", payload)
