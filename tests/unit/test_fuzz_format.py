@@ -105,7 +105,7 @@ def loaded_state(img):
 # -- (a) superblock -------------------------------------------------------------------
 
 def _sb_invariants(sb):
-    assert sb.version == schema.FORMAT_VERSION and sb.sector == S
+    assert sb.version in schema.READABLE_VERSIONS and sb.sector == S
     regions = [(sb.checkpoint_a_off, sb.checkpoint_len), (sb.checkpoint_b_off, sb.checkpoint_len),
                (sb.journal_off, sb.journal_len), (sb.data_off, sb.data_len)]
     end = 2 * S
