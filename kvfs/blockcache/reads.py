@@ -103,8 +103,14 @@ class ReadSide:
             del self._active_reads[seq]
 
     async def _read_blocks(self, filedata, off, end, first, last):
+        # The whole range is taken from the file now, before the first await: an
+        # O_TRUNC, truncate or write that lands while this read waits for the
+        # device must not turn the rest of the range into zeros (bytes nobody
+        # wrote) or into a mix within a block, nor free a block it is about to
+        # read. So dirty bytes are copied now and stored blocks pinned until the
+        # read is done: the reply is the file as it was when the read began.
         bs = self.bs
-        parts = []
+        parts, pinned = [], []
         for idx in range(first, last + 1):
             a = max(off, idx * bs) - idx * bs
             b = min(end, (idx + 1) * bs) - idx * bs
@@ -114,12 +120,23 @@ class ReadSide:
             elif isinstance(entry, Dirty):
                 parts.append(bytes(entry.buf[a:b]))
             else:
-                data = await self.get(entry)         # a read-only view, replied from without a copy
+                self.index.pin(entry)
+                pinned.append(entry)
+                parts.append((entry, a, b))
+        try:
+            for i, part in enumerate(parts):
+                if not isinstance(part, tuple):
+                    continue
+                key, a, b = part
+                data = await self.get(key)           # a read-only view, replied from without a copy
                 if b <= len(data):
-                    parts.append(data if a == 0 and b == len(data) else data[a:b])
+                    parts[i] = data if a == 0 and b == len(data) else data[a:b]
                 else:
                     # A stored block shorter than the range (the file grew by truncate) reads zeros beyond it.
-                    parts.append(bytes(data[a:b]).ljust(b - a, b"\0"))
+                    parts[i] = bytes(data[a:b]).ljust(b - a, b"\0")
+        finally:
+            for key in pinned:
+                self.index.unpin(key)
         self._s["bytes_read"] += end - off
         self._s["read_requests"] += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -413,3 +413,39 @@ async def test_concurrent_readers_of_a_block_share_one_device_read(tmp_path):
         assert results == [data] * 5
         assert fs.device.statistics().reads - reads == 1
     close_and_check(fs)
+
+
+@pytest.mark.parametrize("change", ["o_trunc", "truncate", "rewrite"])
+async def test_a_read_waiting_for_the_device_sees_the_file_as_it_began(tmp_path, change):
+    """A read that waits for the device while the file is emptied (O_TRUNC),
+    truncated or rewritten returns the content it began with: never zeros for the
+    blocks dropped meanwhile (the stress test's first find), never EIO for a block
+    freed under it, never a block of the new content inside the old one."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path, faults=[{"op": "read", "effect": "delay", "seconds": 0.2}])
+    cache = fs.cache
+    filedata = FileData()
+    old, new = pattern(13, 3 * BS + 17), pattern(14, 3 * BS + 17)
+    async with running(fs):
+        await cache.write(filedata, 0, old)
+        await cache.flush_file(filedata)
+        cache.drop_clean()
+        got = []
+
+        async def reader():
+            got.append(bytes(await cache.read(filedata, 0, 4 * BS)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()       # the read waits for the device
+            if change == "o_trunc":
+                cache.release(filedata)
+                await cache.write(filedata, 0, new[:BS // 2])
+            elif change == "truncate":
+                await cache.truncate(filedata, BS - 3)
+            else:
+                await cache.write(filedata, 0, new)
+        assert got == [old]
+        check_accounting(fs, filedata)                  # the read's pins are gone, the old blocks freed
+        assert fs.index.statistics().unique_blocks == sum(isinstance(b, bytes) for b in filedata.blocks)
+    close_and_check(fs)

@@ -1,0 +1,151 @@
+"""A bounded concurrency stress test through a real mount, with an oracle (issue 12, "Concurrency").
+
+Seventeen workers (tests/stress_workers.py) run for a fixed time on eight
+overlapping names in two directories of a store with 64 KiB blocks, a 2 MiB
+cache and a 1 MiB dirty limit (so writers wait for flushes and reads go to the
+device): publishers write a new content to a temp file and rename it over a
+name, rewriters rewrite a name in place with O_TRUNC (write-only descriptors
+are direct_io, read-write ones go through the page cache), unlinkers,
+renamers between the names (across the directories too), fsyncs of files and
+directories, buffered readers, O_DIRECT readers with aligned buffers, mmap
+readers, and a worker that empties the daemon's clean cache or flushes it.
+Contents repeat (whole-file and per-block dedup) and most sizes are not block
+multiples. tests/stress_oracle.py says what each read may return (its
+docstring is the precise rule for O_TRUNC rewrites); any other result, an
+ENOENT on a name that was never absent, a short write, or an unexpected
+outcome of a rename or unlink fails the test with the name, offset, expected
+and read bytes.
+
+No operation may take longer than stress_workers.OP_LIMIT: a hang fails the
+test with each stuck worker's operation, its kernel and Python stacks and the
+daemon threads' wait channels, and then aborts the FUSE connection.
+
+Afterwards: every name holds exactly its last content; the block statistics
+(unique blocks, used bytes, logical bytes, files) equal what the surviving
+files need; umount, fsck clean (refcounts against the namespace), remount,
+the same again.
+
+``test_stress[plain]`` runs 90 s, ``test_stress[faults]`` 60 s with the
+fault-injecting device at a low rate (read delays, read EIO and short reads
+that io_retry absorbs, write delays): readers must never see EIO, wrong bytes
+or short reads. One JSON summary line per run (``pytest -s``) gives the
+operations by kind and the faults injected. For a longer manual run set
+``KVFS_STRESS_SECONDS`` (both runs), and ``KVFS_STRESS_SEED`` to vary the workload::
+
+    KVFS_STRESS_SECONDS=1800 .venv/bin/python -m pytest -x -q -s tests/test_stress.py
+"""
+import os
+import time
+
+import pytest
+
+from stress_oracle import content
+from stress_workers import DIRS, NAMES, Stress
+
+SECONDS = os.environ.get("KVFS_STRESS_SECONDS")
+SEED = int(os.environ.get("KVFS_STRESS_SEED", "20250612"))
+OPTIONS = ["cache_size=2M", "dirty_limit=1M", "eviction_policy=none"]
+LOW_FAULT_RATE = {"seed": 12, "rules": [
+    {"op": "read", "effect": "delay", "seconds": 0.02, "probability": 0.05},
+    {"op": "read", "effect": "eio", "probability": 0.01},
+    {"op": "read", "effect": "short", "probability": 0.01},
+    {"op": "write", "effect": "delay", "seconds": 0.01, "probability": 0.1},
+]}
+
+
+def align_up(n, to=4096):
+    return -(-n // to) * to
+
+
+def expected_space(final, bs):
+    """(unique blocks, used bytes, logical bytes) that the files in ``final`` need."""
+    blocks = {(seed, i, min(bs, length - i * bs)) for seed, length in final.values()
+              for i in range(-(-length // bs))}
+    # A block of zeros is a hole, not stored (a one-byte tail can be the zero low byte of a word).
+    blocks = {(seed, i, n) for seed, i, n in blocks if any(content(seed, i * bs + n)[i * bs:])}
+    return len(blocks), sum(align_up(n) for _, _, n in blocks), sum(length for _, length in final.values())
+
+
+def verify(fs, final, bs, when, *, space=True):
+    listed = {f"{d}/{n}" for d in DIRS for n in os.listdir(fs.mnt / d)}
+    assert listed == set(final), f"{when}: names {sorted(listed)}, expected {sorted(final)}"
+    for name, spec in final.items():
+        got = (fs.mnt / name).read_bytes()
+        assert got == content(*spec), f"{when}: {name} is not its last content {spec} ({len(got)} bytes)"
+    if not space:
+        return
+    stats = fs.stats()
+    unique, used, logical = expected_space(final, bs)
+    figures = {k: stats[k] for k in ("unique_blocks", "used_bytes", "logical_bytes", "files")}
+    assert figures == {"unique_blocks": unique, "used_bytes": used, "logical_bytes": logical,
+                       "files": len(final)}, (f"{when}: statistics {figures} disagree with the files "
+                                              f"present: {unique} unique blocks, {used} bytes used, "
+                                              f"{logical} logical, {len(final)} files: {final}")
+    assert set(final) <= set(NAMES)
+
+
+def abort_connection(fs, conn):
+    """Unblock every system call stuck in this mount, then clean up like an operator."""
+    try:
+        with open(f"/sys/fs/fuse/connections/{conn}/abort", "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+    fs.kill9()
+
+
+# Open defects this test finds (see the branch's report); remove the marks once fixed.
+STALE_PAGE = ("a page-cache reader can see zero-filled pages cached while an in-place "
+              "rewrite through a direct_io descriptor was growing the file")
+FAULTS = ("an injected short read of a one-sector extent is not retried (EIO), and under write "
+          "delays a stored block can fail its checksum (a flush writing from a recycled buffer?)")
+
+
+@pytest.mark.parametrize("faulty, seconds", [
+    pytest.param(False, 90, id="plain", marks=pytest.mark.xfail(reason=STALE_PAGE, strict=False)),
+    pytest.param(True, 60, id="faults", marks=[
+        pytest.mark.xfail(reason=FAULTS, strict=False),
+        pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")]),
+])
+def test_stress(kvfs_factory, faulty, seconds):
+    seconds = float(SECONDS or seconds)
+    options = OPTIONS + (["io_retry=3"] if faulty else [])
+    fs = kvfs_factory(size="4G", block_size="64K", mount_options=options,
+                      faults=LOW_FAULT_RATE if faulty else None)
+    fs.mkfs()
+    fs.mount()
+    bs = fs.stats()["block_size"]
+    conn = os.minor(os.stat(fs.mnt).st_dev)
+    stress = Stress(fs.mnt, bs, seconds, SEED + faulty)
+    t0 = time.monotonic()
+    hang = stress.run(fs.pid, lambda: abort_connection(fs, conn))
+    elapsed = time.monotonic() - t0
+    assert hang is None, "a worker hung:\n" + hang
+    stats = fs.stats()
+    extra = {"eio_seen_by_readers": stress.counts["read_eio"],
+             "faults_injected": stats.get("faults_injected", {}),
+             "device_io_retries": stats["device_io_retries"], "corrupt_reads": stats["corrupt_reads"],
+             "writers_throttled": stats["writers_throttled"], "dedup_hits": stats["dedup_hits"]}
+    print(stress.summary("faults" if faulty else "plain", elapsed, extra))
+    assert not stress.failures, (f"{len(stress.failures)} failure(s), the first ones:\n"
+                                 + "\n".join(stress.failures[:5]))
+    # Every kind of operation ran often enough for the run to mean something.
+    for kind in ("publish_rename", "rewrite_o_trunc", "unlink", "rename", "fsync", "read_buffered",
+                 "read_o_direct", "read_mmap"):
+        assert stress.counts[kind] >= 20, dict(stress.counts)
+    if faulty:
+        assert all(stats["faults_injected"][k] > 0 for k in ("delay", "eio", "short")), stats
+    final = stress.history.final()
+    assert final, "the run left no file at all"
+    fs.flush()
+    # Unlinked files the kernel still remembers keep their blocks until it forgets
+    # them, so the space figures are compared only after the remount.
+    verify(fs, final, bs, "after the run", space=False)
+    fs.umount()
+    fs.assert_fsck_clean()
+    if faulty:
+        fs.set_faults([])
+    fs.mount()
+    verify(fs, final, bs, "after umount, fsck and mount")
+
+
