@@ -92,6 +92,12 @@ def summary(stats, rates=None):
            if rates.get("app_read") is not None else "")
         + (f"  (last {rates['window_s']:.1f} s)" if rates.get("window_s") else ""),
     ]
+    if "mmp" in s:
+        line = f"mmp         {s['mmp']}"
+        if "mmp_seq" in s:
+            line += (f", sequence {s['mmp_seq']}, last heartbeat {s.get('mmp_heartbeat_age_s', 0):.1f} s ago "
+                     f"(every {s.get('mmp_interval_s', 0):g} s)")
+        lines.append(line)
     if "evictions" in s:
         lines += ["eviction", f"  evicted   {s['evictions']:,} files, {human(s.get('evicted_bytes', 0))}"]
     errors = _error_lines(s)
