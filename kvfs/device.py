@@ -267,7 +267,7 @@ class Device:
             done = 0
             while done < span:
                 with memoryview(buf) as view:
-                    n = self._retrying(self._sys_pwrite, view[done:span], off + done)
+                    n = self._retrying(self._sys_pwrite, view[done:span], off + done, fenceable=True)
                 if n == 0:
                     raise DeviceError(f"device write at {off} made no progress")
                 done += n
@@ -284,7 +284,7 @@ class Device:
             # failed fdatasync may already have dropped the dirty pages it failed
             # to write, and a second call would report success for lost data.
             if self.direct_io:
-                self._retrying(self._sys_fdatasync)
+                self._retrying(self._sys_fdatasync, fenceable=True)
             else:
                 self._sys_fdatasync()
         except OSError as exc:
@@ -323,11 +323,15 @@ class Device:
         with self._lock:
             self._discards += 1
 
-    def _retrying(self, call, *args):
+    def _retrying(self, call, *args, fenceable=False):
         """``call(*args)``, retried with backoff for up to ``retry_window`` seconds on the
-        errors a lost path gives (then the last error stands). Runs in a worker thread."""
+        errors a lost path gives (then the last error stands). Runs in a worker thread.
+        A ``fenceable`` call (a write or flush) is not retried once the device is fenced:
+        a write waiting out a path loss must not land after another host took over."""
         deadline, pause = None, 0.05
         while True:
+            if fenceable:
+                self._check_fence()
             try:
                 return call(*args)
             except OSError as exc:

@@ -134,13 +134,24 @@ class KvfsMount:
             opts.append(f"log={self.log}")
         if not any(o.startswith("mmp_interval=") for o in opts):
             # A short heartbeat: every mount waits two intervals to claim the store.
-            opts.append(f"mmp_interval={TEST_MMP_INTERVAL}")
+            # But the heartbeat is a device write too, and an owner whose heartbeat is
+            # overdue (4 intervals) fences itself: a slow device needs a longer one.
+            opts.append(f"mmp_interval={max(TEST_MMP_INTERVAL, self._write_delay())}")
         args = [self.device, self.mnt, "-o", ",".join(opts)]
         if self not in KvfsMount.made:
             KvfsMount.made.append(self)
         run_tool("mount", *args, timeout=120, env=self.mount_env())
         self.pid = self.stats()["pid"]
         return self
+
+    def _write_delay(self):
+        """Seconds the fault plan adds to every device write (its "delay" rules)."""
+        if self.faults_file is None:
+            return 0.0
+        plan = json.loads(self.faults_file.read_text())
+        rules = plan["rules"] if isinstance(plan, dict) else plan
+        return sum(r.get("seconds", 0) for r in rules
+                   if r.get("effect") == "delay" and r.get("op", "any") in ("write", "any"))
 
     def mount_env(self):
         """The extra environment a daemon of this store gets (None: none)."""

@@ -89,15 +89,14 @@ class ExtentStore:
             sb = read_superblock(device)
             if not sb.has_mmp:
                 note = "off (format version 1 store)"
-                log.warning("%s: multi-mount protection needs a format version 2 store; this one is "
-                            "version %d, mounted without it: never attach it to two hosts at once",
-                            device.path, sb.version)
+                if claim:               # the mount itself says so, once, in its log
+                    log.warning("%s: multi-mount protection needs a format version 2 store; this one "
+                                "is version %d, mounted without it: never attach it to two hosts at once",
+                                device.path, sb.version)
             elif claim:
                 guard, note = mmp_protocol.claim(device, sb, mmp), "owner"
             else:
-                warning = mmp_protocol.probe(device, sb, mmp).takeover()
-                if warning:
-                    log.warning("%s: multi-mount protection: %s", device.path, warning)
+                mmp_protocol.probe(device, sb, mmp)
         try:
             if guard is not None:
                 guard.start_background()
@@ -133,19 +132,33 @@ class ExtentStore:
 
         From the claim until this task starts, a thread kept the heartbeat going
         (loading and replaying a large store takes longer than a grace period).
+        A watchdog fences the store when the heartbeat is overdue, even while a
+        heartbeat is stuck in the device (a path loss being retried).
         """
         if self.mmp is None:
             return
-        try:
-            await self.device.run(self.mmp.stop_background)
-        except KvfsError as exc:
-            self.fence(_heartbeat_failure(exc))
-        while not self.fenced:
-            await trio.sleep(self.mmp.interval)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._fence_when_overdue)
             try:
-                await self.device.run(self.mmp.heartbeat_sync)
+                await self.device.run(self.mmp.stop_background)
             except KvfsError as exc:
                 self.fence(_heartbeat_failure(exc))
+            while not self.fenced:
+                await trio.sleep(self.mmp.interval)
+                try:
+                    await self.device.run(self.mmp.heartbeat_sync)
+                except KvfsError as exc:
+                    self.fence(_heartbeat_failure(exc))
+            nursery.cancel_scope.cancel()
+
+    async def _fence_when_overdue(self):
+        limit = mmp_protocol.overdue_limit(self.mmp.interval)
+        while not self.fenced:
+            await trio.sleep(self.mmp.interval / 4)
+            age = self.mmp.heartbeat_age()
+            if age > limit:
+                self.fence(f"the multi-mount protection heartbeat has not been written for {age:.2f} s "
+                           f"(more than {limit:g} s), so another host may take the store over")
 
     def release_mmp(self):
         """Closing: give the MMP record back (CLEAN), unless fenced. Synchronous: call it once

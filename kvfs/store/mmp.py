@@ -26,8 +26,10 @@ Mounting (:func:`claim`):
 
 While mounted, :meth:`MmpGuard.heartbeat_sync` reads the record, checks that it
 is still exactly ours, and writes it with the sequence advanced. If the record
-is not ours (another host took over) or the heartbeat cannot be read or
-written, the store fences its device: nothing more is written (kvfs.store).
+is not ours (another host took over), the heartbeat cannot be read or written,
+or it has not been written for :func:`overdue_limit` (a heartbeat stuck in a
+path loss: another host may soon take over), the store fences its device:
+nothing more is written (kvfs.store).
 A clean unmount writes the record back as CLEAN (:meth:`MmpGuard.release_sync`).
 
 Everything here is synchronous: the daemon runs claim before its event loop
@@ -60,6 +62,13 @@ def grace_period(interval):
     3 heartbeat intervals, plus a margin of one more and half a second for a
     loaded owner whose heartbeat runs late."""
     return 4 * interval + 0.5
+
+
+def overdue_limit(interval):
+    """How old the owner's last heartbeat may get before it fences itself: another host
+    may take over once the record has stood still for a grace period, and the owner
+    must have stopped writing by then (with half a second to spare)."""
+    return grace_period(interval) - 0.5
 
 
 def claim_wait(interval):
@@ -217,31 +226,44 @@ def claim(device, sb, settings):
         log.warning("%s: multi-mount protection: %s", device.path, warning)
     mine = _new_record(settings)
     encoded = mine.encode(sb.hash_seed)
+    started = time.monotonic()
     device.pwrite_sync(sb.mmp_off, encoded)
     device.sync_sync()
+    guard = MmpGuard(device, sb, mine, encoded, settings, started)
     # Taking over from a (forced) owner that may still run: wait long enough for
     # its next heartbeat to see our record and fence itself, whatever its interval.
+    # Meanwhile heartbeat as usual: each heartbeat first checks the record is
+    # still ours, and a third host must not see it stand still.
     previous = verdict.record.interval_s if verdict.how == "forced" and verdict.record else 0
-    settings.sleep(claim_wait(max(settings.interval, previous)))
-    raw, record, damage = read_record(device, sb)
-    if raw != encoded:
+    left = claim_wait(max(settings.interval, previous))
+    try:
+        while left > 0:
+            step = min(settings.interval, left)
+            settings.sleep(step)
+            left -= step
+            if left > 0:
+                guard.heartbeat_sync()
+            else:
+                guard.check_still_ours()
+    except Busy:
+        raw, record, damage = read_record(device, sb)
         owner = describe(record) if record else f"an unreadable record ({damage})"
         raise Busy(f"{device.path}: another host claimed the store at the same time (multi-mount "
-                   f"protection): {owner}. Mount it on one host only")
-    return MmpGuard(device, sb, mine, encoded, settings)
+                   f"protection): {owner}. Mount it on one host only") from None
+    return guard
 
 
 class MmpGuard:
     """The claimed MMP record of a mounted store: heartbeats and the release."""
 
-    def __init__(self, device, sb, record, encoded, settings):
+    def __init__(self, device, sb, record, encoded, settings, written):
         self.device = device
         self.sb = sb
         self.record = record
         self._encoded = encoded
         self.interval = settings.interval
         self.heartbeats = 0
-        self.last_heartbeat = time.monotonic()
+        self.last_heartbeat = written           # time.monotonic() when the last write of our record began
         self._thread = self._stop = self._failure = None
 
     # Between the claim and the daemon's heartbeat task (loading, replay), and for
@@ -269,7 +291,7 @@ class MmpGuard:
         if failure is not None and not quiet:
             raise failure
 
-    def _check_still_ours(self):
+    def check_still_ours(self):
         raw, record, damage = read_record(self.device, self.sb)
         if raw != self._encoded:
             owner = describe(record) if record else f"an unreadable record ({damage})"
@@ -289,19 +311,24 @@ class MmpGuard:
         With O_DIRECT the write reaches the device itself, which every host reads;
         buffered (a device that refuses O_DIRECT) it needs an fdatasync first.
         """
-        self._check_still_ours()
+        self.check_still_ours()
+        started = time.monotonic()          # a host watching may have seen the old record until now
         self._write(self.record.replace(seq=(self.record.seq + 1) % (1 << 64), heartbeat_ns=time.time_ns()),
                     sync=not self.device.direct_io)
         self.heartbeats += 1
-        self.last_heartbeat = time.monotonic()
+        self.last_heartbeat = started
 
     def release_sync(self):
         """Clean unmount: mark the record CLEAN (it keeps naming its last owner)."""
-        self._check_still_ours()
+        self.check_still_ours()
         self._write(self.record.replace(state=schema.MMP_CLEAN, seq=(self.record.seq + 1) % (1 << 64),
                                         heartbeat_ns=time.time_ns()), sync=True)
+
+    def heartbeat_age(self):
+        """Seconds since our record was last written."""
+        return time.monotonic() - self.last_heartbeat
 
     def statistics(self):
         return {"mmp_owner": describe(self.record), "mmp_seq": self.record.seq,
                 "mmp_interval_s": self.interval, "mmp_heartbeats": self.heartbeats,
-                "mmp_heartbeat_age_s": round(time.monotonic() - self.last_heartbeat, 3)}
+                "mmp_heartbeat_age_s": round(self.heartbeat_age(), 3)}

@@ -8,11 +8,13 @@ nothing really waits.
 import logging
 import os
 import subprocess
+import threading
 import time
 
 import pytest
 import trio
 
+from kvfs import faults as kvfs_faults
 from kvfs import schema
 from kvfs.device import Device
 from kvfs.errors import Busy, Fenced, FormatError
@@ -116,7 +118,7 @@ def test_a_fresh_store_is_claimed_after_the_claim_wait_and_released_clean(store)
     device, sb = store
     world = World()
     guard = mmp.claim(device, sb, settings(world, "host-a"))
-    assert world.slept == [mmp.claim_wait(0.25)]          # no watching: the sector was all zero
+    assert sum(world.slept) == mmp.claim_wait(0.25)        # no watching: the sector was all zero
     mine = on_disk(device, sb)
     assert (mine.state, mine.host_id, mine.pid, mine.interval_ms) == (schema.MMP_IN_USE, "host-a", os.getpid(), 250)
     guard.heartbeat_sync()
@@ -126,7 +128,7 @@ def test_a_fresh_store_is_claimed_after_the_claim_wait_and_released_clean(store)
     assert released.state == schema.MMP_CLEAN and released.host_id == "host-a"
     world.slept.clear()
     mmp.claim(device, sb, settings(world, "host-b"))      # clean: claimed without watching
-    assert world.slept == [mmp.claim_wait(0.25)]
+    assert sum(world.slept) == mmp.claim_wait(0.25)
 
 
 def test_a_live_owner_is_refused_by_name(store):
@@ -151,7 +153,7 @@ def test_a_stopped_heartbeat_is_taken_over_after_the_grace_period(store, caplog)
         guard = mmp.claim(device, sb, settings(world, "host-b"))
     watched = sum(world.slept) - mmp.claim_wait(0.25)
     assert watched >= mmp.grace_period(0.5), "judged by the old owner's interval, not ours"
-    assert world.slept[-1] == mmp.claim_wait(0.25), "a dead owner need not see our claim"
+    assert sum(world.slept[-2:]) == mmp.claim_wait(0.25), "a dead owner need not see our claim"
     assert "host id host-a" in caplog.text
     assert "its heartbeat stopped" in caplog.text
     assert on_disk(device, sb).host_id == "host-b" and guard.record.host_id == "host-b"
@@ -164,7 +166,7 @@ def test_force_takes_over_without_watching_and_the_old_owner_notices(store, capl
     world.slept.clear()
     with caplog.at_level(logging.WARNING, "kvfs.store.mmp"):
         mmp.claim(device, sb, settings(world, "host-b", force=True))
-    assert world.slept == [mmp.claim_wait(1.0)], "force skips the watch, not the claim check"
+    assert sum(world.slept) == mmp.claim_wait(1.0), "force skips the watch, not the claim check"
     assert "force was given" in caplog.text
     with pytest.raises(Busy, match="another host took the store over.*host id host-b"):
         old.heartbeat_sync()
@@ -235,7 +237,7 @@ def test_a_probe_that_saw_the_record_go_stale_spares_the_claim_a_second_watch(st
     assert mmp.probe(device, sb, mine).how == "stale"      # mount.kvfs, before it forks the daemon
     world.slept.clear()
     mmp.claim(device, sb, mine)                             # the daemon: the same bytes, no new watch
-    assert world.slept == [mmp.claim_wait(0.25)]
+    assert sum(world.slept) == mmp.claim_wait(0.25)
 
 
 # -- the store: claim on open, fence --------------------------------------------------------
@@ -322,5 +324,55 @@ def test_a_version_1_store_opens_without_mmp_and_says_so(tmp_path, caplog):
         assert "multi-mount protection needs a format version 2 store" in caplog.text
         assert store.mmp is None and store.mmp_statistics() == {"mmp": "off (format version 1 store)",
                                                                 "mmp_fenced": 0}
+    finally:
+        device.close()
+
+
+@pytest.mark.expect_errors("heartbeat has not been written for")
+async def test_an_overdue_heartbeat_fences_the_store_while_it_is_still_stuck(tmp_path):
+    path = mkfs(tmp_path)
+    device = Device.open(str(path))
+    try:
+        store = ExtentStore.open(device, mmp=MmpSettings(interval=0.05, host_id="host-a"))
+        store.finish_replay()
+        stuck = kvfs_faults.FaultyDevice(device, [{"op": "write", "range": [8192, 12288],
+                                                    "effect": "delay", "seconds": 1.0}])
+        assert stuck.wrapped is device                      # the store's device now stalls MMP writes
+        t0 = time.monotonic()
+        fenced_after = []
+
+        async def watch():
+            while not store.fenced:
+                await trio.sleep(0.01)
+            fenced_after.append(time.monotonic() - t0)
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch)
+                await store.keep_heartbeat()            # returns once the stuck write is over
+        assert "heartbeat has not been written for" in store.fenced
+        assert fenced_after[0] < 0.8, "fenced by the watchdog while the write was still stuck"
+    finally:
+        device.close()
+
+
+def test_a_write_retrying_through_a_path_loss_stops_once_fenced(tmp_path):
+    path = mkfs(tmp_path)
+    device = Device.open(str(path), retry_window=30.0)
+    try:
+        kvfs_faults.FaultyDevice(device, [{"op": "write", "effect": "eio"}])
+        failure = {}
+
+        def write():
+            try:
+                device.pwrite_sync(1 << 20, b"x" * schema.SECTOR)
+            except Exception as exc:  # noqa: BLE001 - looked at below
+                failure["exc"] = exc
+        worker = threading.Thread(target=write)
+        worker.start()
+        time.sleep(0.3)
+        assert worker.is_alive(), "the write should be retrying"
+        device.fence("taken over")
+        worker.join(5)
+        assert not worker.is_alive() and isinstance(failure.get("exc"), Fenced)
     finally:
         device.close()
