@@ -59,9 +59,10 @@ MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 def grace_period(interval):
     """How long a record must stay unchanged before its owner counts as dead:
-    3 heartbeat intervals, plus a margin of one more and half a second for a
-    loaded owner whose heartbeat runs late."""
-    return 4 * interval + 0.5
+    3 heartbeat intervals, plus a margin of one more and 3 s for a loaded owner
+    whose heartbeat runs late (a busy disk delays a 4 KiB write by seconds; the
+    margin is absolute because such hiccups do not scale with the interval)."""
+    return 4 * interval + 3.0
 
 
 def overdue_limit(interval):
