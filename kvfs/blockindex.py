@@ -311,6 +311,7 @@ class BlockIndex:
         When frees waiting for a journal commit would make room, this says so
         (SpaceAwaitsCommit): the namespace, which drives commits, commits and retries.
         """
+        self.store.check_writable()         # fenced (multi-mount protection): refuse at write()
         if self.available_bytes() < nbytes:
             if self.store.pending_free_bytes:
                 raise SpaceAwaitsCommit("space is waiting for frees to be committed")

@@ -3,7 +3,9 @@
 ``serve`` mounts it, runs the background
 tasks, and shuts down gracefully on SIGTERM/SIGINT, ``kvfs-admin umount`` or a
 plain ``umount``: everything dirty is flushed and a checkpoint is written before
-the process exits 0.
+the process exits 0 (and ``Filesystem.close`` then releases the multi-mount
+protection record). A store fenced by multi-mount protection (another host took
+it over) is unmounted without writing anything, and the process exits 1.
 """
 import ctypes
 import ctypes.util
@@ -16,7 +18,7 @@ import signal
 import pyfuse3
 import trio
 
-from .errors import InvalidArgument, KvfsError
+from .errors import Fenced, InvalidArgument, KvfsError
 from .fuseops import KvfsOperations
 from .metrics import MetricsServer
 from .opsstats import OpsStats
@@ -47,6 +49,9 @@ class MountOptions:
     metrics_addr: str = "127.0.0.1"
     dedup_groups: object = None       # None: dedup per uid; "all"; or uid sets (blockindex.DedupDomains)
     dedup_verify: bool = False        # compare bytes on every dedup hit (dedup_verify=bytes)
+    mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
+
+    force: bool = False               # take over a store whose MMP record is in use, without waiting
 
     @classmethod
     def defaults(cls):
@@ -104,7 +109,8 @@ class Daemon:
             await self.fs.ns.flush_all()
             await self.fs.ns.checkpoint()
         elif name == "umount":
-            await self.fs.ns.flush_all()
+            if not self.fs.fenced:              # fenced: nothing can be written any more
+                await self.fs.ns.flush_all()
             self._nursery.start_soon(self._stop)
         else:
             raise InvalidArgument(f"unknown control command {name!r}")
@@ -121,7 +127,8 @@ class Daemon:
                 log.info("signal %d: flushing and unmounting", signum)
                 self._begin_stop()
                 try:
-                    await self.fs.ns.flush_all()
+                    if not self.fs.fenced:
+                        await self.fs.ns.flush_all()
                 except KvfsError as exc:
                     log.error("flush before stopping failed: %s", exc)
                 await self._stop()
@@ -141,6 +148,7 @@ class Daemon:
                 self._nursery = nursery
                 await nursery.start(self.fs.cache.run)
                 await nursery.start(self.fs.ns.run, self.options.commit_interval)
+                nursery.start_soon(self.fs.store.keep_heartbeat)
                 nursery.start_soon(self._watch_signals)
                 if self.fs.replayed.get("records"):
                     try:
@@ -154,6 +162,9 @@ class Daemon:
                 self._begin_stop()
                 pyfuse3.close(unmount=True)
                 unmounted = True
+                if self.fs.fenced:
+                    raise Fenced(f"unmounted without writing back what was not yet on the device: "
+                                 f"{self.fs.fenced}")
                 await self.fs.ns.flush_all()
                 try:
                     await self.fs.ns.checkpoint()

@@ -23,7 +23,7 @@ import time
 import trio
 
 from .aligned import SECTOR, align_up, new_buffer
-from .errors import Busy, DeviceError, InternalError, NotADevice, NotFound, device_error, os_error
+from .errors import Busy, DeviceError, Fenced, InternalError, NotADevice, NotFound, device_error, os_error
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
@@ -78,6 +78,7 @@ class Device:
         # NVMe-oF controller reconnect fails I/O for a while, then recovers.
         self.retry_window = retry_window
         self._retries = 0
+        self.fenced = None              # why writes are refused (multi-mount protection), or None
 
     @classmethod
     def open(cls, path, *, readonly=False, lock=True, **kw):
@@ -101,6 +102,18 @@ class Device:
         except BaseException:
             os.close(fd)
             raise
+
+    def fence(self, reason):
+        """Refuse every later write, flush, discard and preallocation (reads still work).
+
+        Multi-mount protection calls this when another host may own the store:
+        from here on nothing this process does can change the device.
+        """
+        self.fenced = reason
+
+    def _check_fence(self):
+        if self.fenced:
+            raise Fenced(f"{self.path}: writes are stopped: {self.fenced}")
 
     def close(self):
         if self.fd >= 0:
@@ -239,6 +252,7 @@ class Device:
         """
         if off % SECTOR:
             raise InternalError(f"unaligned device write at {off}")
+        self._check_fence()
         span = align_up(len(data))
         if off < 0 or off + span > self.size:
             # The allocator never hands out such an extent: this is a bug, not a full disk.
@@ -253,7 +267,7 @@ class Device:
             done = 0
             while done < span:
                 with memoryview(buf) as view:
-                    n = self._retrying(self._sys_pwrite, view[done:span], off + done)
+                    n = self._retrying(self._sys_pwrite, view[done:span], off + done, fenceable=True)
                 if n == 0:
                     raise DeviceError(f"device write at {off} made no progress")
                 done += n
@@ -264,12 +278,13 @@ class Device:
             self._writes += 1
 
     def sync_sync(self):
+        self._check_fence()
         try:
             # Only with O_DIRECT is a retried flush honest: with buffered I/O a
             # failed fdatasync may already have dropped the dirty pages it failed
             # to write, and a second call would report success for lost data.
             if self.direct_io:
-                self._retrying(self._sys_fdatasync)
+                self._retrying(self._sys_fdatasync, fenceable=True)
             else:
                 self._sys_fdatasync()
         except OSError as exc:
@@ -287,6 +302,7 @@ class Device:
         """
         if self.is_block or length <= 0:
             return
+        self._check_fence()
         try:
             os.posix_fallocate(self.fd, off, length)
         except OSError as exc:
@@ -296,6 +312,7 @@ class Device:
         """Tell the device a range is unused (TRIM / hole punch). Best effort."""
         if not self.discard_supported or length <= 0:
             return
+        self._check_fence()
         try:
             self._sys_discard(off, length)
         except OSError as exc:
@@ -306,11 +323,15 @@ class Device:
         with self._lock:
             self._discards += 1
 
-    def _retrying(self, call, *args):
+    def _retrying(self, call, *args, fenceable=False):
         """``call(*args)``, retried with backoff for up to ``retry_window`` seconds on the
-        errors a lost path gives (then the last error stands). Runs in a worker thread."""
+        errors a lost path gives (then the last error stands). Runs in a worker thread.
+        A ``fenceable`` call (a write or flush) is not retried once the device is fenced:
+        a write waiting out a path loss must not land after another host took over."""
         deadline, pause = None, 0.05
         while True:
+            if fenceable:
+                self._check_fence()
             try:
                 return call(*args)
             except OSError as exc:

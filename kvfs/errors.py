@@ -45,6 +45,13 @@ class DeviceFull(DeviceError):
     errno = _errno.ENOSPC
 
 
+class Fenced(KvfsError):
+    """Multi-mount protection stopped all writes: another host took the store over, or the
+    heartbeat could not be written. Reads still work; every write is refused (EROFS)."""
+
+    errno = _errno.EROFS
+
+
 class InternalError(KvfsError):
     """A bug in kvfs (a broken invariant). Reported as EIO and logged, never as ENOSPC."""
 

@@ -11,7 +11,10 @@ the code that maintains it:
 * block references: every key a file names is in the index, each entry's
   ``refs`` equals the number of times files name it, no entry is unreferenced;
 * space: block extents and free extents tile the data region exactly;
-* data: every block is read back and its content key recomputed.
+* data: every block is read back and its content key recomputed;
+* multi-mount protection: the MMP record's state is reported, and a store whose
+  record shows a live owner on another host is not checked (``force``: checked
+  anyway, read-only); ``repair`` claims the record while it writes.
 
 ``repair`` removes files whose blocks are missing or corrupt, drops unreachable
 inodes and unreferenced blocks, recomputes link and reference counts, rebuilds
@@ -26,10 +29,10 @@ import trio
 
 from . import schema
 from .device import Device
-from .errors import CorruptBlock, DeviceError, FormatError
+from .errors import Busy, CorruptBlock, DeviceError, FormatError
 from .namespace import ROOT_INO
 from .stack import load_tree
-from .store import read_superblock
+from .store import mmp, read_superblock
 from .store.loader import check_extent
 
 log = logging.getLogger(__name__)
@@ -75,20 +78,52 @@ def restore_superblock_from_backup(device):
     device.sync_sync()
 
 
-def check(path, *, repair=False, verify_data=True, progress=None):
+def check(path, *, repair=False, verify_data=True, progress=None, force=False):
     """Check (and optionally repair) the kvfs on ``path``. Returns a Report.
 
     ``progress``: an object with ``update(done, total)`` told the bytes verified so
     far while every block is read back (fsck.kvfs shows it on a terminal).
+    ``force``: check (or repair) even a store whose MMP record names a live owner.
     """
     report = Report()
     collector = _LogToReport(report)
     kvfs_log = logging.getLogger("kvfs")
     kvfs_log.addHandler(collector)
     try:
-        return _check(path, report, repair, verify_data, progress)
+        return _check(path, report, repair, verify_data, progress, force)
     finally:
         kvfs_log.removeHandler(collector)
+
+
+def _check_mmp(device, sb, report, repair, force):
+    """Report the MMP record; refuse a live owner (unless ``force``). Returns the claim of a repair."""
+    if not sb.has_mmp:
+        report.notes.append("multi-mount protection: none (a format version 1 store)")
+        return None
+    _, record, damage = mmp.read_record(device, sb)
+    if damage is not None:
+        state = f"damaged ({damage}): mount treats it as an owner whose heartbeat stopped"
+    elif record is None:
+        state = "never claimed"
+    else:
+        state = f"{schema.MMP_STATES[record.state]}, {'last ' * (record.state == schema.MMP_CLEAN)}owner " \
+                f"{mmp.describe(record)}"
+    report.notes.append(f"multi-mount protection: {state}")
+    settings = mmp.MmpSettings(force=force, program="fsck.kvfs")
+    try:
+        verdict = mmp.probe(device, sb, settings) if not repair else None
+        guard = mmp.claim(device, sb, settings) if repair else None
+    except Busy as exc:
+        raise Busy(f"{exc}; fsck.kvfs checks no store that is in use (--force: check it anyway)") from None
+    if verdict is not None and verdict.how == "forced":
+        report.notes.append("warning: --force: not checked whether the MMP owner is alive; changes a live "
+                            "owner is making may show up as problems")
+    elif verdict is not None and verdict.how != "free":
+        report.notes.append(f"multi-mount protection: the owner is gone ({verdict.how}); the next mount "
+                            f"takes the store over")
+    if guard is not None:
+        guard.start_background()          # a long repair must not look like a dead owner
+    return guard
 
 
 class State:
@@ -119,18 +154,23 @@ def schema_is_file(row):
     return (row.mode & 0o170000) == 0o100000
 
 
-def _check(path, report, repair, verify_data, progress):
+def _check(path, report, repair, verify_data, progress, force):
     device = Device.open(path, readonly=not repair)
+    guard = None
     try:
         head = device.pread_sync(0, 2 * schema.SECTOR)
         try:
-            schema.Superblock.decode(head[:schema.SECTOR])
+            sb = schema.Superblock.decode(head[:schema.SECTOR])
         except FormatError as exc:
             if not repair:
                 read_superblock(device)         # raises, naming the backup if that one is intact
                 raise
+            sb = schema.Superblock.decode(head[schema.SECTOR:])
+            guard = _check_mmp(device, sb, report, repair, force)
             restore_superblock_from_backup(device)
             report.repairs.append(f"primary superblock was bad ({exc}); restored it from the backup")
+        if guard is None:
+            guard = _check_mmp(device, sb, report, repair, force)
         if head[:schema.SECTOR] != head[schema.SECTOR:]:
             report.problem("backup superblock differs from the primary")
             if repair:
@@ -161,7 +201,17 @@ def _check(path, report, repair, verify_data, progress):
             report.repairs.append(f"wrote checkpoint generation {generation}")
         return report
     finally:
+        if guard is not None:
+            _release(guard, report)
         device.close()
+
+
+def _release(guard, report):
+    try:
+        guard.stop_background()
+        guard.release_sync()
+    except Exception as exc:  # noqa: BLE001 - the repair's outcome stands; say what happened
+        report.problem(f"multi-mount protection: the record was not ours at the end of the repair ({exc})")
 
 
 def _account_losses(store, loaded, skipped, report):

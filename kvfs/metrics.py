@@ -100,6 +100,12 @@ METRICS = {
     "high_watermark": ("kvfs_eviction_high_watermark_ratio", GAUGE, "Eviction starts above this share used."),
     "low_watermark": ("kvfs_eviction_low_watermark_ratio", GAUGE, "Eviction stops below this share used."),
     "checkpoints": ("kvfs_checkpoints_total", COUNTER, "Checkpoints written."),
+    "mmp_seq": ("kvfs_mmp_sequence", GAUGE, "Multi-mount protection heartbeat sequence (random start per mount)."),
+    "mmp_heartbeats": ("kvfs_mmp_heartbeats_total", COUNTER, "Multi-mount protection heartbeats written."),
+    "mmp_heartbeat_age_s": ("kvfs_mmp_heartbeat_age_seconds", GAUGE, "Seconds since the last MMP heartbeat."),
+    "mmp_interval_s": ("kvfs_mmp_interval_seconds", GAUGE, "Multi-mount protection heartbeat interval."),
+    "mmp_fenced": ("kvfs_mmp_fenced", GAUGE,
+                   "1 once multi-mount protection stopped all writes (another host took the store over)."),
 }
 # Statistics with no metric of their own: labels of kvfs_info, or derived values
 # that Prometheus computes better itself (rate() over the counters).

@@ -107,18 +107,21 @@ class Filesystem:
         self.mountpoint = None
 
     @classmethod
-    def open(cls, path, options, *, readonly=False, now=time.time_ns):
+    def open(cls, path, options, *, readonly=False, now=time.time_ns, mmp=None):
         """Open ``path`` and stack the layers on it; the journal is replayed.
 
         ``options`` needs the cache settings of MountOptions (cache_size,
         dirty_limit, read_depth, flush_workers). ``now``
         is the clock of every timestamp the namespace writes (tests pass a
-        deterministic one).
+        deterministic one). ``mmp`` (kvfs.store.MmpSettings): claim the store's
+        multi-mount protection record first (only check it, when ``readonly``);
+        the daemon passes it, in-process users leave it out.
         """
         device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0))
+        store = None
         try:
             _warn_if_readable_by_others(path)
-            store = ExtentStore.open(device)
+            store = ExtentStore.open(device, mmp=mmp, claim=not readonly)
             if not readonly:
                 store.reserve_metadata_space()
             index = BlockIndex(store, dedup_groups=getattr(options, "dedup_groups", None),
@@ -136,11 +139,22 @@ class Filesystem:
             _replay(store, index, namespace.load)
             return cls(device, store, index, cache, namespace, replayed)
         except BaseException:
+            if store is not None:
+                store.release_mmp()
             device.close()
             raise
 
+    @property
+    def fenced(self):
+        """Why writes are stopped (multi-mount protection), or None."""
+        return self.store.fenced
+
     def close(self):
-        self.device.close()
+        """Release the multi-mount protection record (a clean unmount) and close the device."""
+        try:
+            self.store.release_mmp()
+        finally:
+            self.device.close()
 
     def stats(self):
         """Every component's statistics, flattened into one dict for kvfs-admin."""
@@ -217,5 +231,6 @@ class Filesystem:
             "pinned_bytes": evict.pinned_bytes,
             "used_fraction": round(self.ns.evictor.used_fraction(), 4),
             "uptime_s": round(elapsed, 3),
+            **self.store.mmp_statistics(),
             **injected,                 # only under a test fault plan: faults injected, by effect
         }

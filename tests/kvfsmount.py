@@ -23,6 +23,10 @@ from kvfs.cli.admin import wait_exited
 MOUNT_FIXTURES = ("kvfs", "kvfs_factory", "shared_kvfs")
 
 
+# The multi-mount protection heartbeat of test mounts (seconds), unless a test names its own.
+TEST_MMP_INTERVAL = 0.25
+
+
 def slow_writes(seconds):
     """A fault plan for a slow device: every device write takes ``seconds`` longer."""
     return [{"op": "write", "effect": "delay", "seconds": seconds}]
@@ -96,7 +100,7 @@ class KvfsMount:
     made = []
 
     def __init__(self, root: Path, size="4G", block_size=None, mount_options=(), log=None,
-                 faults=None):
+                 faults=None, env=None):
         self.root = Path(root)
         self.device = self.root / "store.kvfs"
         self.mnt = self.root / "mnt"
@@ -108,6 +112,7 @@ class KvfsMount:
         self.log = Path(log) if log else self.root / "kvfs.log"
         self.logs = {self.log}          # every log file a daemon of this store was told to use
         KvfsMount.made.append(self)
+        self.env = dict(env or {})      # extra environment of its daemons (KVFS_TEST_HOST_ID, ...)
         self.faults_file = None
         if faults is not None:
             self.faults_file = self.root / "faults.json"
@@ -128,15 +133,36 @@ class KvfsMount:
             self.logs.update(Path(p) for p in logs)
         else:
             opts.append(f"log={self.log}")
+        if not any(o.startswith("mmp_interval=") for o in opts):
+            # A short heartbeat: every mount waits two intervals to claim the store.
+            # But the heartbeat is a device write too, and an owner whose heartbeat is
+            # overdue (4 intervals) fences itself: a slow device needs a longer one.
+            opts.append(f"mmp_interval={max(TEST_MMP_INTERVAL, self._write_delay())}")
         args = [self.device, self.mnt, "-o", ",".join(opts)]
         if self not in KvfsMount.made:
             KvfsMount.made.append(self)
-        env = {} if self.faults_file is None else {faults.ENV: f"@{self.faults_file}"}
+        env = self.mount_env() or {}
         if crash is not None:
             env[crashpoints.ENV] = crash
         run_tool("mount", *args, timeout=120, env=env or None)
         self.pid = self.stats()["pid"]
         return self
+
+    def _write_delay(self):
+        """Seconds the fault plan adds to every device write (its "delay" rules)."""
+        if self.faults_file is None:
+            return 0.0
+        plan = json.loads(self.faults_file.read_text())
+        rules = plan["rules"] if isinstance(plan, dict) else plan
+        return sum(r.get("seconds", 0) for r in rules
+                   if r.get("effect") == "delay" and r.get("op", "any") in ("write", "any"))
+
+    def mount_env(self):
+        """The extra environment a daemon of this store gets (None: none)."""
+        env = dict(self.env)
+        if self.faults_file is not None:
+            env[faults.ENV] = f"@{self.faults_file}"
+        return env or None
 
     def set_faults(self, plan):
         """Replace the fault plan (atomically) and wait until a running daemon would see it."""

@@ -102,7 +102,10 @@ def test_dedup_of_eight_tp_ranks(kvfs):
     kvfs.flush()
     again = kvfs.stats()
     assert again["data_bytes_written"] == written
-    assert again["device_bytes_written"] == device_written
+    # Nothing but multi-mount protection heartbeats (one 4 KiB sector each; a stats
+    # snapshot may land between a heartbeat's write and its count).
+    beats = again["mmp_heartbeats"] - after["mmp_heartbeats"]
+    assert again["device_bytes_written"] - device_written in (4096 * beats, 4096 * (beats + 1))
 
     for rank in range(7):
         os.unlink(mnt / f"deepseek@tp{rank}.pt")

@@ -35,7 +35,8 @@ def field_rows(text):
 def test_header_tables_match_the_structs():
     cases = [("## Superblock", schema.SUPERBLOCK, schema.Superblock.FIELDS),
              ("## Checkpoints", schema.CHECKPOINT_HEADER, schema.CHECKPOINT_HEADER_FIELDS),
-             ("## Journal", schema.JOURNAL_FRAME, schema.JOURNAL_FRAME_FIELDS)]
+             ("## Journal", schema.JOURNAL_FRAME, schema.JOURNAL_FRAME_FIELDS),
+             ("## Multi-mount protection", schema.MMP_RECORD, schema.MMP_RECORD_FIELDS)]
     for heading, layout, names in cases:
         documented = field_rows(section(heading))
         assert documented == schema.field_layout(layout, names), heading

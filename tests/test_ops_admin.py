@@ -44,10 +44,11 @@ def test_stats_is_grouped_short_and_exact(small):
     lines = out.splitlines()
     assert len(lines) <= 22, out
     heads = [line for line in lines if not line.startswith(" ")]
-    assert [h.split()[0] for h in heads] == ["mount", "device", "space", "files", "cache", "I/O", "eviction",
-                                             "errors"], out
+    assert [h.split()[0] for h in heads] == ["mount", "device", "mmp", "space", "files", "cache", "I/O",
+                                             "eviction", "errors"], out
     text = "\n".join(lines)
     assert f"device      {fs.device}  (file, " in text
+    assert "mmp         owner, sequence " in text and "s ago (every 0.25 s)" in text
     assert "  used      4.0 MiB" in text                      # one copy of the 8 files
     assert "  logical   32.0 MiB  (dedup ratio 8.00)" in text
     assert "files       8  (1 directories, 4 unique blocks)" in text

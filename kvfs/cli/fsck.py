@@ -15,11 +15,15 @@ def main(argv):
     p.add_argument("--repair", action="store_true",
                    help="make the store consistent: drop what cannot be trusted, keep the rest")
     p.add_argument("--no-data", action="store_true", help="skip reading back and verifying every block")
+    p.add_argument("--force", action="store_true",
+                   help="check (or repair) even a store whose multi-mount protection record shows a "
+                        "live owner on another host")
     p.add_argument("device")
     args = p.parse_args(argv)
     progress = Progress("verifying blocks")
     try:
-        report = check(args.device, repair=args.repair, verify_data=not args.no_data, progress=progress)
+        report = check(args.device, repair=args.repair, verify_data=not args.no_data, progress=progress,
+                       force=args.force)
     finally:
         progress.close()
     print_report(report)

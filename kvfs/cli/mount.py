@@ -14,6 +14,7 @@ from ..blockindex import DedupDomains
 from ..daemon import Daemon, Filesystem, MountOptions
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
 from ..namespace.policy import POLICIES
+from ..store import MmpSettings, mmp
 from ..store.mkfs import make_filesystem
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
 
@@ -26,7 +27,7 @@ IGNORED_OPTIONS = {"rw", "defaults", "auto", "noauto", "nouser", "user", "users"
                    "nofail", "async", "default_permissions"}
 SIZE_OPTIONS = {"cache_size", "dirty_limit"}
 INT_OPTIONS = {"read_depth", "flush_workers", "max_tasks", "read_ahead_kb"}
-FLAG_OPTIONS = {"allow_other"}
+FLAG_OPTIONS = {"allow_other", "force"}
 # The shortest commit interval: below it the commit loop would spin (0 was a busy
 # loop at 89% CPU) and group commit stops grouping anything.
 MIN_COMMIT_INTERVAL = 0.05
@@ -69,6 +70,13 @@ def _retry_seconds(value):
     return number
 
 
+def _mmp_seconds(value):
+    number = _number(float, value)
+    if not (math.isfinite(number) and mmp.MIN_INTERVAL <= number <= mmp.MAX_INTERVAL):
+        raise ValueError(f"must be from {mmp.MIN_INTERVAL} to {mmp.MAX_INTERVAL:g} seconds")
+    return number
+
+
 def _port(value):
     number = _number(int, value)
     if not 1 <= number <= 65535:
@@ -105,7 +113,8 @@ def parse_options(text):
             continue
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
                                               "low_watermark", "eviction_policy", "metrics_port",
-                                              "metrics_addr", "io_retry", "dedup_groups", "dedup_verify"}
+                                              "metrics_addr", "io_retry", "dedup_groups", "dedup_verify",
+                                              "mmp_interval"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -129,6 +138,8 @@ def parse_options(text):
                 opts.eviction_policy = value
             elif name == "io_retry":
                 opts.io_retry = _retry_seconds(value)
+            elif name == "mmp_interval":
+                opts.mmp_interval = _mmp_seconds(value)
             elif name == "metrics_port":
                 opts.metrics_port = _port(value)
             elif name == "metrics_addr":
@@ -182,8 +193,14 @@ def check_mountpoint(path):
         raise Busy(f"mountpoint {path} is busy: something is already mounted there")
 
 
-def run_daemon(device, mountpoint, options, ready):
-    fs = Filesystem.open(device, options)
+def mmp_settings(options):
+    """What the mount claims the store's multi-mount protection record with."""
+    interval = options.mmp_interval or mmp.interval_for(options.io_retry)
+    return MmpSettings(interval=interval, force=options.force, program="mount.kvfs")
+
+
+def run_daemon(device, mountpoint, options, ready, settings=None):
+    fs = Filesystem.open(device, options, mmp=settings or mmp_settings(options))
     try:
         logging.getLogger(__name__).info("mounted %s at %s (journal replay: %s)",
                                          device, mountpoint, fs.replayed)
@@ -248,10 +265,14 @@ def main(argv):
                       "domain), dedup_verify=off|bytes, high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
+                      "mmp_interval=SECONDS (default io_retry/4, at least 1), force, "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
                    help="mount options (see below)")
+    p.add_argument("--force", action="store_true",
+                   help="take over a store whose multi-mount protection record names another owner, "
+                        "without waiting for its heartbeat to stop (only when that owner is surely down)")
     p.add_argument("-n", "-s", "-v", dest="ignored", action="count", help=argparse.SUPPRESS)
     p.add_argument("paths", nargs="+", metavar="[DEVICE] MOUNTPOINT")
     args = p.parse_intermixed_args(argv)
@@ -259,6 +280,8 @@ def main(argv):
         p.error("expected [DEVICE] MOUNTPOINT")
     options, log_path = parse_options(",".join(args.options))
     crashpoints.arm_from_environment()          # a test hook: refuses a bad $KVFS_TEST_CRASH
+    options.force = options.force or args.force
+    settings = mmp_settings(options)
     mountpoint = os.path.abspath(args.paths[-1])
     check_mountpoint(mountpoint)
     device = os.path.abspath(args.paths[0]) if len(args.paths) == 2 else ensure_default_store()
@@ -267,15 +290,16 @@ def main(argv):
     tag = f"kvfs[{mountpoint}]"
     if args.foreground:
         setup_logging(path=log_path, tag=tag)
-        run_daemon(device, mountpoint, options, lambda: None)
+        run_daemon(device, mountpoint, options, lambda: None, settings)
         return 0
-    # Validate the device before forking so most errors come straight back.
-    Filesystem.open(device, options, readonly=True).close()
+    # Validate the device before forking so most errors come straight back; a
+    # live owner in the MMP record, too (the daemon inherits what this saw).
+    Filesystem.open(device, options, readonly=True, mmp=settings).close()
     if log_path is None:
         os.makedirs(LOG_DIR, exist_ok=True)
         log_path = os.path.join(LOG_DIR, "kvfs.log")
     setup_logging(path=log_path, tag=tag)
-    return daemonize(lambda ready: run_daemon(device, mountpoint, options, ready))
+    return daemonize(lambda ready: run_daemon(device, mountpoint, options, ready, settings))
 
 
 if __name__ == "__main__":

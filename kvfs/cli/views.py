@@ -49,6 +49,17 @@ def _error_lines(stats):
     return [(text, stats[key]) for key, text in kinds.items() if isinstance(stats.get(key), int)]
 
 
+def _mmp_line(s):
+    """Multi-mount protection: the state, and the heartbeat of a claimed record."""
+    if "mmp" not in s:
+        return []
+    line = f"mmp         {s['mmp']}"
+    if "mmp_seq" in s:
+        line += (f", sequence {s['mmp_seq']}, last heartbeat {s.get('mmp_heartbeat_age_s', 0):.1f} s ago "
+                 f"(every {s.get('mmp_interval_s', 0):g} s)")
+    return [line]
+
+
 def summary(stats, rates=None):
     """The grouped, short view of ``kvfs-admin stats`` (like s3qlstat) as a list of lines.
 
@@ -68,6 +79,7 @@ def summary(stats, rates=None):
         f"mount       {g('mountpoint')}  (daemon pid {g('pid')}, up {duration(g('uptime_s'))})",
         f"device      {g('device')}  ({kind}{', O_DIRECT' if g('direct_io') else ''}, "
         f"{human(g('block_size'))} blocks)",
+        *_mmp_line(s),
         "space",
         f"  capacity  {human(cap)}",
         f"  used      {human(used)}  ({percent(used, cap)})",

@@ -12,7 +12,7 @@ import time
 import trio
 
 from .. import schema
-from ..errors import JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
+from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,8 @@ class Durability:
                     await self.commit()
                     if self.cache.journal_fill > 0.5:
                         await self.checkpoint()
+                except Fenced:
+                    pass            # logged once, CRITICAL, by the store; nothing can be written now
                 except KvfsError as exc:
                     # The device refused (EIO, or ENOSPC from the host below a
                     # sparse store). The records stay queued and the next round

@@ -1,6 +1,6 @@
 """The kvfs on-disk format, defined in code; docs/format.md explains it (a test keeps them in step).
 
-``layout``  the device layout: superblock, checkpoint header, journal frame header
+``layout``  the device layout: superblock, checkpoint header, journal frame header, MMP record
             (``struct`` layouts with size asserts and a comment on every field)
 ``records`` the journal records and the checkpoint state as named types, with
             their msgpack encoding; nothing else knows a field's position
@@ -15,7 +15,9 @@ from .layout import (CHECKPOINT_HEADER, CHECKPOINT_HEADER_FIELDS, JOURNAL_FRAME_
                      MIN_BLOCK_SIZE, MIN_DEVICE_SIZE, SUPERBLOCK, SUPERBLOCK_CHECKED, SUPERBLOCK_V1,
                      SUPERBLOCK_V1_CHECKED, KEY_SECRET_LEN, READABLE_VERSIONS, Superblock,
                      check_block_size, check_device_size, decode_checkpoint_header, decode_journal_header,
-                     encode_checkpoint_header, encode_journal_frame, frame_size, identify_existing_data)
+                     encode_checkpoint_header, encode_journal_frame, frame_size, identify_existing_data,
+                     MAGIC_MMP, MMP_CLEAN, MMP_IN_USE, MMP_MAX_INTERVAL_MS, MMP_RECORD, MMP_RECORD_CHECKED,
+                     MMP_RECORD_FIELDS, MMP_STATES, MmpRecord)
 from .records import (RECORD_TYPES, Attrs, BlockRef, BlockRow, CheckpointState, Content,
                       InodeRow, Link, Make, Move, Remove, decode_record)
 from ..aligned import SECTOR, align_down, align_up
@@ -50,6 +52,15 @@ __all__ = [
     "encode_journal_frame",
     "frame_size",
     "identify_existing_data",
+    "MAGIC_MMP",
+    "MMP_CLEAN",
+    "MMP_IN_USE",
+    "MMP_MAX_INTERVAL_MS",
+    "MMP_RECORD",
+    "MMP_RECORD_CHECKED",
+    "MMP_RECORD_FIELDS",
+    "MMP_STATES",
+    "MmpRecord",
     "RECORD_TYPES",
     "Attrs",
     "BlockRef",

@@ -1,4 +1,4 @@
-"""The device layout: superblock, checkpoint header and journal frame header.
+"""The device layout: superblock, checkpoint header, journal frame header and MMP record.
 
 Device layout (all offsets in bytes, every region 4 KiB aligned)::
 
@@ -30,6 +30,11 @@ Crash invariants (see docs/format.md for the argument):
   number (frames are written one at a time, so only the last can be torn).
 * A journal frame is written only after the data of every block it references
   is durable (the journal writer issues fdatasync before and after the frame).
+* The MMP sector is the only sector written by more than one host. It holds no
+  filesystem state: a crashed owner leaves its record IN_USE with a sequence
+  that no longer advances, which a later mount takes over after the grace
+  period (kvfs/store/mmp.py); a torn MMP write is a damaged record, treated
+  as an unknown owner whose heartbeat has stopped.
 """
 import os
 import struct
@@ -43,6 +48,7 @@ from ..errors import FormatError
 MAGIC_SUPERBLOCK = b"KVFSSUPR"
 MAGIC_CHECKPOINT = b"KVFSCKPT"
 MAGIC_JOURNAL = b"KVFSJRNL"
+MAGIC_MMP = b"KVFSMMPR"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)      # version 1: no MMP sector, no key secret (see SUPERBLOCK_V1)
 KEY_SECRET_LEN = 32             # 256 bits; content keys mix it in (blockindex.py)
@@ -108,6 +114,97 @@ JOURNAL_FRAME = struct.Struct(
 )
 assert JOURNAL_FRAME.size == 48
 JOURNAL_FRAME_FIELDS = ("magic", "generation", "seq", "payload_len", "reserved0", "payload_hash", "header_hash")
+
+
+# The multi-mount protection record (format version 2 on), at sb.mmp_off. mkfs
+# zeroes the sector: an all-zero sector is "never claimed". Its checksum is
+# seeded with hash_seed, so a record left by an earlier filesystem on the same
+# device never passes for one of ours.
+MMP_CLEAN = 1                   # no owner: the last one unmounted (or released) it
+MMP_IN_USE = 2                  # an owner claimed it; alive while ``seq`` advances
+MMP_STATES = {MMP_CLEAN: "clean", MMP_IN_USE: "in use"}
+MMP_MAX_INTERVAL_MS = 600_000   # 10 minutes: anything longer is damage, not a setting
+MMP_RECORD = struct.Struct(
+    "<"
+    "8s"   # magic             MAGIC_MMP
+    "I"    # state             MMP_CLEAN or MMP_IN_USE
+    "I"    # interval_ms       the owner's heartbeat interval, milliseconds (1 .. MMP_MAX_INTERVAL_MS)
+    "Q"    # seq               heartbeat counter: a random start per claim, + 1 per heartbeat
+    "Q"    # claim_id          random per claim: tells two claims apart, whatever their host and pid
+    "Q"    # pid               the owner's process id, on its host
+    "Q"    # mount_ns          when the owner claimed the store, ns since the epoch (the owner's clock)
+    "Q"    # heartbeat_ns      the owner's clock at its last heartbeat (shown, never trusted across hosts)
+    "32s"  # host_id           the owner's /etc/machine-id (or hostname), ASCII, zero-padded
+    "64s"  # hostname          the owner's hostname, UTF-8, zero-padded (for messages)
+    "16s"  # program           the owner's tool: "mount.kvfs" or "fsck.kvfs", zero-padded
+)
+assert MMP_RECORD.size == 168, MMP_RECORD.size
+MMP_RECORD_CHECKED = struct.Struct("<" + MMP_RECORD.format[1:] + "Q")   # + xxh64 of the above, seeded
+assert MMP_RECORD_CHECKED.size == 176
+MMP_RECORD_FIELDS = ("magic", "state", "interval_ms", "seq", "claim_id", "pid", "mount_ns",
+                     "heartbeat_ns", "host_id", "hostname", "program")
+
+
+class MmpRecord:
+    """Decoded MMP record. Field meanings are documented on ``MMP_RECORD``; text fields are str."""
+
+    TEXT = {"host_id": 32, "hostname": 64, "program": 16}
+
+    def __init__(self, **fields):
+        fields.setdefault("magic", MAGIC_MMP)
+        for name in MMP_RECORD_FIELDS:
+            setattr(self, name, fields[name])
+
+    def replace(self, **changes):
+        return MmpRecord(**{**{f: getattr(self, f) for f in MMP_RECORD_FIELDS}, **changes})
+
+    def __eq__(self, other):
+        return isinstance(other, MmpRecord) and all(getattr(self, f) == getattr(other, f)
+                                                    for f in MMP_RECORD_FIELDS)
+
+    def __repr__(self):
+        return f"MmpRecord({', '.join(f'{f}={getattr(self, f)!r}' for f in MMP_RECORD_FIELDS[1:])})"
+
+    @property
+    def interval_s(self):
+        return self.interval_ms / 1000
+
+    def encode(self, seed):
+        if self.state not in MMP_STATES or not 1 <= self.interval_ms <= MMP_MAX_INTERVAL_MS:
+            raise FormatError(f"invalid MMP record: state {self.state}, interval {self.interval_ms} ms")
+        values = []
+        for name in MMP_RECORD_FIELDS:
+            value = getattr(self, name)
+            if name in self.TEXT:
+                value = value.encode("utf-8", "replace")[:self.TEXT[name]]
+            values.append(value)
+        body = MMP_RECORD.pack(*values)
+        return (body + struct.pack("<Q", xxhash.xxh64_intdigest(body, seed))).ljust(SECTOR, b"\0")
+
+    @classmethod
+    def decode(cls, sector, seed):
+        """The record in an MMP sector; None for an all-zero (never claimed) sector.
+
+        Raises FormatError for anything else that is not a valid record: a torn
+        write, foreign data, or a record of an earlier filesystem (other seed).
+        """
+        if len(sector) < MMP_RECORD_CHECKED.size:
+            raise FormatError("MMP sector is truncated")
+        if not any(sector):
+            return None
+        *values, stored = MMP_RECORD_CHECKED.unpack_from(sector)
+        if values[0] != MAGIC_MMP:
+            raise FormatError("MMP sector holds no MMP record (bad magic)")
+        if xxhash.xxh64_intdigest(bytes(sector[:MMP_RECORD.size]), seed) != stored:
+            raise FormatError("MMP record checksum mismatch (a torn write, or damage)")
+        fields = dict(zip(MMP_RECORD_FIELDS, values))
+        for name in cls.TEXT:
+            fields[name] = fields[name].rstrip(b"\0").decode("utf-8", "replace")
+        if fields["state"] not in MMP_STATES:
+            raise FormatError(f"MMP record has unknown state {fields['state']}")
+        if not 1 <= fields["interval_ms"] <= MMP_MAX_INTERVAL_MS:
+            raise FormatError(f"MMP record has an invalid interval ({fields['interval_ms']} ms)")
+        return cls(**fields)
 
 
 def field_layout(layout, names):

@@ -12,6 +12,12 @@ journal. Nothing here calls back up.
 Freed extents are not reused until the record that freed them is durable:
 otherwise a crash could leave a durable record pointing at an extent that
 already holds someone else's data.
+
+Multi-mount protection (``kvfs.store.mmp``): opened with ``mmp`` settings, the
+store claims the device's MMP record before it loads anything, and the daemon
+runs :meth:`ExtentStore.keep_heartbeat`. When the heartbeat finds another owner,
+or cannot be written, the store fences its device: from then on every write,
+commit and checkpoint fails with :class:`~kvfs.errors.Fenced` (EROFS).
 """
 import dataclasses
 import logging
@@ -21,12 +27,14 @@ import trio
 
 from .. import schema
 from ..crashpoints import crashpoint, die, reached
-from ..errors import FormatError, InternalError, JournalFull, KvfsError, NoSpace
+from ..errors import Busy, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
+from . import mmp as mmp_protocol
 from .allocator import Allocator
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
+from .mmp import MmpSettings
 
-__all__ = ["Allocator", "ExtentStore", "StoreStatistics", "read_superblock"]
+__all__ = ["Allocator", "ExtentStore", "MmpSettings", "StoreStatistics", "read_superblock"]
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +84,110 @@ class ExtentStore:
         self._commit_lock = trio.Lock()
         self._commits = self._checkpoints = 0
         self.loaded = loaded            # what mount replays; dropped by finish_replay
+        self.mmp = None                 # the claimed MMP record (mmp.MmpGuard), if any
+        self.mmp_note = "not used"      # what multi-mount protection does here, for stats
 
     @classmethod
-    def open(cls, device, *, salvage=False):
-        """Load the store on ``device`` (synchronously); see :func:`kvfs.store.loader.load`."""
-        return cls(device, load(device, salvage=salvage))
+    def open(cls, device, *, salvage=False, mmp=None, claim=True):
+        """Load the store on ``device`` (synchronously); see :func:`kvfs.store.loader.load`.
+
+        ``mmp`` (MmpSettings): first claim the MMP record (``claim``), or only
+        check that no live owner holds it (``claim=False``: a read-only look, as
+        mount.kvfs takes before it starts the daemon). Either raises Busy naming
+        a live owner. A format version 1 store has no MMP sector: a warning.
+        """
+        guard, note = None, "not used"
+        if mmp is not None:
+            sb = read_superblock(device)
+            if not sb.has_mmp:
+                note = "off (format version 1 store)"
+                if claim:               # the mount itself says so, once, in its log
+                    log.warning("%s: multi-mount protection needs a format version 2 store; this one "
+                                "is version %d, mounted without it: never attach it to two hosts at once",
+                                device.path, sb.version)
+            elif claim:
+                guard, note = mmp_protocol.claim(device, sb, mmp), "owner"
+            else:
+                mmp_protocol.probe(device, sb, mmp)
+        try:
+            if guard is not None:
+                guard.start_background()
+            store = cls(device, load(device, salvage=salvage))
+        except BaseException:
+            if guard is not None:
+                _release_quietly(guard)
+            raise
+        store.mmp, store.mmp_note = guard, note
+        return store
+
+    # -- multi-mount protection ---------------------------------------------
+    @property
+    def fenced(self):
+        """Why writes are stopped (another host owns the store), or None."""
+        return self.device.fenced
+
+    def check_writable(self):
+        if self.device.fenced:
+            raise Fenced(f"the store accepts no writes: {self.device.fenced}")
+
+    def fence(self, reason):
+        """Stop every write to the device, at once and for good (another host may own it)."""
+        if self.device.fenced:
+            return
+        self.device.fence(reason)
+        log.critical("%s: %s; stopped writing to the device: every write, fsync and metadata change "
+                     "now fails with EROFS, reads of stored data go on. Unmount this mount; what it had "
+                     "not yet written is lost", self.device.path, reason)
+
+    async def keep_heartbeat(self):
+        """The daemon's heartbeat task: one MMP heartbeat per interval until cancelled or fenced.
+
+        From the claim until this task starts, a thread kept the heartbeat going
+        (loading and replaying a large store takes longer than a grace period).
+        A watchdog fences the store when the heartbeat is overdue, even while a
+        heartbeat is stuck in the device (a path loss being retried).
+        """
+        if self.mmp is None:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._fence_when_overdue)
+            try:
+                await self.device.run(self.mmp.stop_background)
+            except KvfsError as exc:
+                self.fence(_heartbeat_failure(exc))
+            while not self.fenced:
+                await trio.sleep(self.mmp.interval)
+                try:
+                    await self.device.run(self.mmp.heartbeat_sync)
+                except KvfsError as exc:
+                    self.fence(_heartbeat_failure(exc))
+            nursery.cancel_scope.cancel()
+
+    async def _fence_when_overdue(self):
+        limit = mmp_protocol.overdue_limit(self.mmp.interval)
+        while not self.fenced:
+            await trio.sleep(self.mmp.interval / 4)
+            age = self.mmp.heartbeat_age()
+            if age > limit:
+                self.fence(f"the multi-mount protection heartbeat has not been written for {age:.2f} s "
+                           f"(more than {limit:g} s), so another host may take the store over")
+
+    def release_mmp(self):
+        """Closing: give the MMP record back (CLEAN), unless fenced. Synchronous: call it once
+        no task uses the store any more (after the daemon's event loop has ended)."""
+        guard, self.mmp = self.mmp, None
+        if guard is not None:
+            if self.fenced:
+                guard.stop_background(quiet=True)
+            else:
+                _release_quietly(guard)
+
+    def mmp_statistics(self):
+        fenced = self.fenced
+        out = {"mmp": f"fenced: {fenced}" if fenced else self.mmp_note, "mmp_fenced": int(bool(fenced))}
+        if self.mmp is not None:
+            out.update(self.mmp.statistics())
+        return out
 
     def finish_replay(self):
         """Called once upper layers have applied the replayed records."""
@@ -153,6 +260,7 @@ class ExtentStore:
     # -- journal ------------------------------------------------------------
     def append(self, record):
         """Queue a record; it is durable once a later :meth:`commit` returns."""
+        self.check_writable()
         self._pending.append(record)
         self._appended += 1
 
@@ -177,6 +285,7 @@ class ExtentStore:
         Raises JournalFull when the frame does not fit in the rest of the
         journal: the caller must write a checkpoint instead.
         """
+        self.check_writable()
         target = self._appended
         async with self._commit_lock:
             if self._durable >= target:
@@ -225,6 +334,7 @@ class ExtentStore:
         The free map and the msgpack encoding are built in a worker thread:
         for a large store they take seconds, and the event loop keeps serving.
         """
+        self.check_writable()
         upto = cut.appended
 
         def encode():
@@ -318,6 +428,22 @@ class ExtentStore:
                                self._frame_seq, self._commits, self._checkpoints,
                                len(self._pending), self.sb.data_len, self.allocator.free_bytes,
                                self.pending_free_bytes)
+
+
+def _heartbeat_failure(exc):
+    if isinstance(exc, Busy):           # the record names someone else
+        return str(exc)
+    return (f"the multi-mount protection heartbeat could not be written ({exc}), so another host may "
+            f"take the store over")
+
+
+def _release_quietly(guard):
+    try:
+        guard.stop_background(quiet=True)
+        guard.release_sync()
+    except KvfsError as exc:
+        log.warning("could not release the multi-mount protection record (%s): the next mount "
+                    "waits for its grace period", exc)
 
 
 def _coalesce(extents):
