@@ -120,13 +120,14 @@ class Filesystem:
         device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0))
         store = None
         try:
-            _warn_if_readable_by_others(path)
+            if not readonly:            # warnings go to the daemon's log, once (not mount.kvfs's check)
+                _warn_if_readable_by_others(path)
             store = ExtentStore.open(device, mmp=mmp, claim=not readonly)
             if not readonly:
                 store.reserve_metadata_space()
             index = BlockIndex(store, dedup_groups=getattr(options, "dedup_groups", None),
                                dedup_verify=getattr(options, "dedup_verify", False))
-            if not store.key_secret:
+            if not store.key_secret and not readonly:
                 log.warning("format version 1 store: dedup is shared by all users (no key secret); "
                             "a version 2 store (mkfs.kvfs) keeps each user's blocks apart")
             cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
