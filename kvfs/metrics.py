@@ -36,7 +36,7 @@ METRICS = {
     "capacity_bytes": ("kvfs_capacity_bytes", GAUGE, "Bytes the store can hold for block data."),
     "used_bytes": ("kvfs_used_bytes", GAUGE, "Bytes of block data stored on the device (after dedup)."),
     "free_bytes": ("kvfs_free_bytes", GAUGE, "Bytes still free for block data."),
-    "logical_bytes": ("kvfs_logical_bytes", GAUGE, "Sum of file sizes, as the engines see them."),
+    "logical_bytes": ("kvfs_logical_bytes", GAUGE, "Sum of the files' recorded content sizes, as the engines see them."),
     "dedup_ratio": ("kvfs_dedup_ratio", GAUGE, "Logical bytes per stored byte."),
     "unique_blocks": ("kvfs_unique_blocks", GAUGE, "Distinct blocks stored."),
     "files": ("kvfs_files", GAUGE, "Regular files."),

@@ -65,6 +65,9 @@ class Tree:
         self.on_drop = None        # called with an inode that left the durable namespace
         self._meta_bytes = 0       # inode rows, entries, targets, block lists (see INODE_ROW_COST)
         self._cut = None           # a checkpoint's TreeCut while its rows are being built
+        # Kept as they change, so statistics never walk a million inodes on the event loop.
+        self.file_count = self.dir_count = 0
+        self.committed_bytes = 0   # sum of the regular files' recorded content sizes
 
     # -- lookups --------------------------------------------------------------
     def inode(self, ino):
@@ -119,6 +122,7 @@ class Tree:
                 if node is not None and node.names is not None:
                     node.names.add((directory.ino, name))
         self._meta_bytes = sum(self._inode_cost(i) for i in self.inodes.values())
+        self._recount()
         self.loading = False
         for inode in self.inodes.values():
             if inode.is_file:
@@ -129,6 +133,12 @@ class Tree:
                     inode.data.failed = CorruptBlock
                 self.blocks.attach(inode.data)
         return skipped
+
+    def _recount(self):
+        """The running counts from scratch (after load; tests compare the two)."""
+        files = [i for i in self.inodes.values() if i.is_file]
+        self.file_count, self.committed_bytes = len(files), sum(i.size_committed for i in files)
+        self.dir_count = sum(1 for i in self.inodes.values() if i.is_dir)
 
     def _load_inode(self, row):
         inode = Inode(row.ino, row.mode, row.uid, row.gid, row.rdev)
@@ -240,6 +250,8 @@ class Tree:
             inode = Inode(rec.ino, rec.mode, rec.uid, rec.gid, rec.rdev, rec.ns)
             inode.target = rec.target
             self.inodes[rec.ino] = inode
+            self.file_count += inode.is_file
+            self.dir_count += inode.is_dir
             self._meta_bytes += INODE_ROW_COST + len(rec.target or b"")
             self.next_ino = max(self.next_ino, rec.ino + 1)
             self._link(directory, rec.name, inode, rec.ns)
@@ -364,6 +376,10 @@ class Tree:
     def _drop_inode(self, inode):
         """The inode left the durable namespace; free it now or when the kernel lets go."""
         del self.inodes[inode.ino]
+        self.file_count -= inode.is_file
+        self.dir_count -= inode.is_dir
+        if inode.is_file:
+            self.committed_bytes -= inode.size_committed
         self.pinned.discard(inode.ino)
         if self.on_drop is not None:
             self.on_drop(inode)
@@ -398,6 +414,8 @@ class Tree:
         self.preserve(inode)
         self._forget_content_key(inode)
         self._meta_bytes += FILE_KEY_COST * (len(keys) - len(inode.committed))
+        if inode.ino in self.inodes:
+            self.committed_bytes += size - inode.size_committed
         inode.committed = keys
         inode.size_committed = size
         inode.content_key = self.content_key_of(size, keys)

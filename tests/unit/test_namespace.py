@@ -793,6 +793,17 @@ async def test_statistics_are_frozen_records_that_add_up(path):
         assert stats["files"] == 2 and stats["unique_blocks"] == 3
         assert stats["dedup_ratio"] == round(st.logical_bytes / idx.used_bytes, 4)
         await ns.release(fh)
-        for ino in (d, a, b):
+        # The counts are kept as files come and go (no walk of every inode per stats call).
+        ns.unlink(d, b"b", directory=False)
+        await ns.rename(d, b"a", ROOT_INO, b"a2")
+        await ns.setattr(a, size=7)
+        c = await write_file(ns, d, b"c", pattern(2, 5))
+        counted = (ns.tree.file_count, ns.tree.dir_count, ns.tree.committed_bytes)
+        ns.tree._recount()
+        # a's truncate is not recorded until it is sealed: recorded sizes are 2 * BS + 1 and 5
+        assert counted == (ns.tree.file_count, ns.tree.dir_count, ns.tree.committed_bytes) == (2, 2, 2 * BS + 6)
+        await ns.flush_all()
+        assert ns.statistics().logical_bytes == ns.tree.committed_bytes == 7 + 5
+        for ino in (d, a, b, c):
             ns.forget(ino, 1)
     close_and_check(fs)
