@@ -198,6 +198,8 @@ class Filesystem:
             "cache_hits": cache.cache_hits,
             "cache_misses": cache.cache_misses,
             "prefetch_inflight_max": cache.prefetch_inflight_max,
+            "read_handoffs": cache.read_handoffs,
+            "blocks_fetched": cache.blocks_fetched,
             "device_reads_inflight_max": dev.reads_in_flight_max,
             "device_io_retries": dev.retries,
             "io_retry_s": self.device.retry_window,

@@ -41,6 +41,8 @@ class CacheStatistics:
     bytes_written: int
     read_requests: int
     write_requests: int
+    read_handoffs: int           # worker-thread calls that read blocks (one per run of adjacent blocks)
+    blocks_fetched: int          # blocks those calls read from the device
 
 
 class BlockCache(ReadSide, WriteBack):
@@ -135,4 +137,5 @@ class BlockCache(ReadSide, WriteBack):
                                s["dirty_max"], backlog, s["hits"], s["misses"], s["inflight"],
                                s["inflight_max"], s["flushed"],
                                s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
-                               s["read_requests"], s["write_requests"])
+                               s["read_requests"], s["write_requests"], s["read_handoffs"],
+                               s["blocks_fetched"])

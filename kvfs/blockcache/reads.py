@@ -36,6 +36,8 @@ class ReadSide:
                 self._s["hits"] += 1
                 return data
         self._s["misses"] += 1
+        self._s["read_handoffs"] += 1
+        self._s["blocks_fetched"] += 1
         self._reading[key] = done = trio.Event()
         self._s["inflight"] += 1
         self._s["inflight_max"] = max(self._s["inflight_max"], self._s["inflight"])
@@ -155,50 +157,60 @@ class ReadSide:
         if start >= stop:
             return
         filedata.prefetched_upto = stop
-        keys = [k for k in filedata.blocks[start:stop]
-                if isinstance(k, bytes) and k not in self._clean and k not in self._reading]
-        if keys:
-            self._nursery.start_soon(self._prefetch, keys)
+        wanted = [k for k in dict.fromkeys(filedata.blocks[start:stop])
+                  if isinstance(k, bytes) and k not in self._clean and k not in self._reading]
+        # Claimed here, before anything awaits: the readers of these blocks (an
+        # O_DIRECT read arrives as many concurrent requests at once) then wait for
+        # the prefetch's run reads instead of each reading its own block.
+        claims = []
+        for run in self.index.adjacent_runs(wanted, PREFETCH_RUN_BLOCKS):
+            done = trio.Event()
+            for key in run:
+                self._reading[key] = done
+            claims.append((run, done))
+        if claims:
+            self._nursery.start_soon(self._prefetch, claims)
 
-    async def _prefetch(self, keys):
+    async def _prefetch(self, claims):
         # Adjacent blocks are read as runs of up to PREFETCH_RUN_BLOCKS: one device
         # read and one worker-thread hand-off per run, instead of per block. The
         # kernel still splits each run into many device requests.
-        wanted = [k for k in dict.fromkeys(keys) if k not in self._clean and k not in self._reading]
         async with trio.open_nursery() as nursery:
-            for run in self.index.adjacent_runs(wanted, PREFETCH_RUN_BLOCKS):
+            for run, done in claims:
                 # Take free slots without yielding, so a whole chunk's reads are
                 # issued at once and the device sees the full queue depth.
                 try:
                     self._read_slots.acquire_nowait()
                 except trio.WouldBlock:
                     await self._read_slots.acquire()
-                nursery.start_soon(self._prefetch_run, run)
+                nursery.start_soon(self._prefetch_run, run, done)
 
-    async def _prefetch_run(self, run):
-        pending = list(run)
+    async def _prefetch_run(self, run, done):
         try:
-            while pending:
-                # Checked again before every device read, with no await between the
-                # check and the claim in _fetch_run: while this task waited, other
-                # readers (another file deduplicated onto the same blocks) may have
-                # read or claimed some of these blocks, or they may have been dropped.
-                fresh = [k for k in pending
-                         if k in self.index.entries and k not in self._clean and k not in self._reading]
-                if not fresh:
-                    return
-                part = self.index.adjacent_runs(fresh, PREFETCH_RUN_BLOCKS)[0]
-                pending = [k for k in fresh if k not in part]
-                await self._fetch_run(part)
+            # While this task waited for a slot, blocks may have left the index
+            # (their files were deleted): those are not read, and what remains
+            # of the run is read in pieces that are still adjacent.
+            live = [k for k in run if self._reading.get(k) is done and k in self.index.entries]
+            for part in self.index.adjacent_runs(live, PREFETCH_RUN_BLOCKS):
+                await self._fetch_run(part, done)
         except KvfsError as exc:
             log.debug("prefetch of %d block(s) failed: %s (the reader will see it)", len(run), exc)
         finally:
+            for key in run:
+                if self._reading.get(key) is done:
+                    del self._reading[key]
+            done.set()
             self._read_slots.release()
 
-    async def _fetch_run(self, run):
-        done = trio.Event()
-        for key in run:
-            self._reading[key] = done
+    async def _fetch_run(self, run, done=None):
+        """Read ``run`` with one hand-off; its blocks are claimed with ``done`` (new if None)."""
+        own = done is None
+        if own:
+            done = trio.Event()
+            for key in run:
+                self._reading[key] = done
+        self._s["read_handoffs"] += 1
+        self._s["blocks_fetched"] += len(run)
         self._s["misses"] += len(run)
         self._s["inflight"] += len(run)
         self._s["inflight_max"] = max(self._s["inflight_max"], self._s["inflight"])
@@ -206,10 +218,11 @@ class ReadSide:
             results = await self.index.read_run(run, [self._clean_buffer() for _ in run])
         finally:
             self._s["inflight"] -= len(run)
-            for key in run:
-                if self._reading.get(key) is done:
-                    del self._reading[key]
-            done.set()
+            if own:
+                for key in run:
+                    if self._reading.get(key) is done:
+                        del self._reading[key]
+                done.set()
         for key, data in zip(run, results):
             if not isinstance(data, Exception):     # a corrupt block: its reader gets EIO itself
                 self._remember(key, data)
