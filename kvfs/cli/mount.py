@@ -5,7 +5,9 @@ import logging
 import math
 import os
 import shutil
+import subprocess
 import sys
+import time
 
 import trio
 
@@ -209,7 +211,28 @@ def run_daemon(device, mountpoint, options, ready, settings=None):
         fs.close()
 
 
-def daemonize(work):
+def _remove_dead_mount(mountpoint):
+    """A daemon that died after the kernel mounted but before the mount was live leaves
+    a dead FUSE mount (every access ENOTCONN): take it away, so the mountpoint can be
+    used again without fusermount3 -uz."""
+    try:
+        with open("/proc/self/mounts") as f:
+            ours = any(line.split()[1:3] == [mountpoint, "fuse.kvfs"] for line in f)
+    except OSError:
+        return
+    if ours:
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, timeout=30)
+
+
+def _wait_exited(pid, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.05)
+
+
+def daemonize(work, mountpoint=None):
     """Fork; the child runs ``work(ready)`` detached, the parent waits for ready or an error."""
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -219,6 +242,9 @@ def daemonize(work):
             message = pipe.read().decode(errors="replace")
         if message == "ok":
             return 0
+        _wait_exited(pid, 10)                 # the daemon is going: nothing will serve the mount
+        if mountpoint is not None:
+            _remove_dead_mount(mountpoint)
         raise KvfsError(message.strip() or "the kvfs daemon exited before the mount was live")
     os.close(rfd)
     os.setsid()
@@ -299,7 +325,7 @@ def main(argv):
         os.makedirs(LOG_DIR, exist_ok=True)
         log_path = os.path.join(LOG_DIR, "kvfs.log")
     setup_logging(path=log_path, tag=tag)
-    return daemonize(lambda ready: run_daemon(device, mountpoint, options, ready, settings))
+    return daemonize(lambda ready: run_daemon(device, mountpoint, options, ready, settings), mountpoint)
 
 
 if __name__ == "__main__":
