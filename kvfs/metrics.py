@@ -80,6 +80,10 @@ METRICS = {
                                        "Checkpoint inode rows built in a worker thread."),
     "checkpoint_rows_saved_on_loop": ("kvfs_checkpoint_rows_saved_on_loop_total", COUNTER,
                                       "Checkpoint inode rows saved on the event loop because a change came first."),
+    "rss_bytes": ("kvfs_daemon_rss_bytes", GAUGE, "Resident memory of the kvfs daemon."),
+    "buffer_bytes": ("kvfs_buffer_bytes", GAUGE,
+                     "RAM in block buffers (clean, dirty, and spare ones kept for reuse); the rest of the "
+                     "daemon's RSS is code and metadata."),
     "read_handoffs": ("kvfs_read_handoffs_total", COUNTER,
                       "Worker-thread calls that read blocks from the device (one per run of adjacent blocks)."),
     "blocks_fetched": ("kvfs_blocks_fetched_total", COUNTER, "Blocks read from the device into the cache."),

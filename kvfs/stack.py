@@ -31,6 +31,15 @@ def open_device(path, *, readonly=False, retry_window=0.0):
         raise
 
 
+def _rss_bytes():
+    """The daemon's resident memory (what a host's memory budget sees)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _warn_if_readable_by_others(path):
     """A store file others can read gives them every tenant's data and the key secret."""
     st = os.stat(path)
@@ -170,6 +179,8 @@ class Filesystem:
         injected = {"faults_injected": self.device.injected()} if hasattr(self.device, "injected") else {}
         return {
             "pid": os.getpid(),
+            "rss_bytes": _rss_bytes(),
+            "buffer_bytes": cache.buffer_bytes,
             "mountpoint": self.mountpoint,
             "device": dev.path,
             "device_kind": "block device" if self.device.is_block else "file",

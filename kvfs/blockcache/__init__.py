@@ -41,6 +41,7 @@ class CacheStatistics:
     bytes_written: int
     read_requests: int
     write_requests: int
+    buffer_bytes: int            # RAM in block buffers: clean, dirty, and spare ones kept for reuse
     read_handoffs: int           # worker-thread calls that read blocks (one per run of adjacent blocks)
     blocks_fetched: int          # blocks those calls read from the device
 
@@ -137,5 +138,9 @@ class BlockCache(ReadSide, WriteBack):
                                s["dirty_max"], backlog, s["hits"], s["misses"], s["inflight"],
                                s["inflight_max"], s["flushed"],
                                s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
-                               s["read_requests"], s["write_requests"], s["read_handoffs"],
-                               s["blocks_fetched"])
+                               s["read_requests"], s["write_requests"], self._buffer_bytes(),
+                               s["read_handoffs"], s["blocks_fetched"])
+
+    def _buffer_bytes(self):
+        spare = len(self._spare) + len(self._clean_spare) + len(self._quarantine)
+        return self._clean_bytes + (len(self._dirty) + spare) * self.bs
