@@ -244,10 +244,13 @@ class FaultyDevice:
 
     def _inject(self, op, off, length):
         """Decide which rules fire on this call, sleep for them, raise EIO; returns the rest."""
-        now = time.monotonic()
-        self._maybe_reload(now)
-        fired, delay, stall_end = [], 0.0, now
+        self._maybe_reload(time.monotonic())
+        fired, delay = [], 0.0
         with self._lock:
+            # Read under the lock: a reload (by this call or another thread) starts its
+            # windows then, and a call that waited for it must count as inside them.
+            now = time.monotonic()
+            stall_end = now
             for i, rule in enumerate(self._plan.rules):
                 if not rule.matches(op, off, length):
                     continue
