@@ -315,3 +315,19 @@ async def test_a_journal_write_past_io_timeout_stops_all_writes(store, plan_file
         # The late frame did land, after the stall: its records name data synced before it.
         assert lookup_path(fs.ns, "pending") is not None
     fs.close()
+
+
+def test_the_io_timeout_mount_option():
+    from kvfs.cli.mount import parse_options
+
+    assert parse_options("")[0].io_timeout == 60.0
+    assert parse_options("io_retry=0,io_timeout=0.5")[0].io_timeout == 0.5
+    assert parse_options("io_retry=100")[0].io_timeout == 200.0      # a long io_retry raises the default
+    for text, message in [("io_timeout=5", "must be longer than 'io_retry' (10 s)"),
+                          ("io_retry=3,io_timeout=3", "must be longer than 'io_retry' (3 s)"),
+                          ("io_timeout=0", "must be from 0.1 to 3600 seconds"),
+                          ("io_timeout=inf", "must be from 0.1 to 3600 seconds")]:
+        with pytest.raises(KvfsError, match=r"io_timeout.*" + message.replace("(", r"\(").replace(")", r"\)")) \
+                as info:
+            parse_options(text)
+        assert info.value.errno == errno.EINVAL
