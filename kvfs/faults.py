@@ -33,7 +33,8 @@ every run. A rule is a JSON object::
         "stall"  a path-loss window of "seconds", starting "after" seconds
                  (default 0) after the plan was loaded: a call that arrives in
                  the window waits until the window ends, then proceeds (an
-                 NVMe-oF controller reconnect)
+                 NVMe-oF controller reconnect; one longer than io_timeout is
+                 a hung path: the caller gets EIO, the call lands late)
         "flip"   read: one bit of the bytes read inside the range is flipped,
                  silently; the block index's checksum must catch it
      "seconds": s, "after": s}

@@ -107,7 +107,8 @@ def injected(stats, effect, since=None):
     return stats["faults_injected"][effect] - (since["faults_injected"][effect] if since else 0)
 
 
-@pytest.mark.expect_errors(COMMIT_FAILED, TIMED_OUT, FLUSH_FAILED)
+@pytest.mark.expect_errors(COMMIT_FAILED, TIMED_OUT, FLUSH_FAILED,
+                           r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 def test_device_errors_are_counted_by_kind(kvfs_factory):
     """Each kind of fault moves its own counter by exactly what was injected."""
     fs = kvfs_factory(faults=[], mount_options=["io_retry=0", "io_timeout=1"])
@@ -166,6 +167,25 @@ def test_device_errors_are_counted_by_kind(kvfs_factory):
     assert delta(before, after, "device_short_transfers") == injected(after, "short", before) == 1, after
     assert delta(before, after, "device_read_errors") == 0
     figure("short-read", 1, "absorbed, right bytes")
+
+    # A silent bit flip: the block's checksum catches it; the reader gets EIO or right bytes.
+    cold(fs)
+    before = fs.stats()
+    fs.set_faults([{"op": "read", "range": victim_range, "effect": "flip", "count": 2}])
+    eio = assert_right_or_eio(fs.mnt / "victim", victim)
+    after = fs.stats()
+    assert delta(before, after, "corrupt_reads") == injected(after, "flip", before) == 2, after
+    assert delta(before, after, "device_read_errors") == 0
+    figure("read-flip", 2, f"EIO to {eio} read(s), the other reads right; 0 wrong bytes")
+
+    # A latency spike below io_timeout: slower, nothing else.
+    cold(fs)
+    before = fs.stats()
+    fs.set_faults([{"op": "read", "range": victim_range, "effect": "delay", "seconds": 0.3, "count": 2}])
+    assert assert_right_or_eio(fs.mnt / "victim", victim) == 0
+    after = fs.stats()
+    assert injected(after, "delay", before) == 2 and delta(before, after, "device_timeouts") == 0, after
+    figure("read-delay", 2, "slower, right bytes")
 
     # A stall far longer than io_timeout: EIO within the bound, counted as timeouts.
     cold(fs)
