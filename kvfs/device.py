@@ -65,7 +65,7 @@ class DeviceStatistics:
     discard_errors: int = 0
     short_transfers: int = 0            # system calls that moved fewer bytes than asked (absorbed or not)
     timeouts: int = 0                   # calls whose callers gave up after io_timeout (EIO)
-    late_calls: int = 0                 # of those (and cancelled ones), still running in their threads
+    late_calls: int = 0                 # of those, still running in their threads
 
 
 class Device:
@@ -140,7 +140,7 @@ class Device:
         return self.calls.timeout
 
     def after_abandoned(self, callback):
-        """Run ``callback()`` once no abandoned call can still touch the device (see CallTracker)."""
+        """Run ``callback()`` once no abandoned call can still write to the device (see CallTracker)."""
         self.calls.after_abandoned(callback)
 
     def close(self):
@@ -416,15 +416,15 @@ class Device:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
     # -- async wrappers: never block the trio loop --------------------------
-    async def run(self, fn, *args, on_abandon=None):
+    async def run(self, fn, *args, on_abandon=None, writes=True):
         """Run a blocking device function in a worker thread; DeviceTimeout (EIO) after io_timeout.
 
-        ``on_abandon``: see :meth:`kvfs.devicecalls.CallTracker.run`.
+        ``on_abandon``, ``writes``: see :meth:`kvfs.devicecalls.CallTracker.run`.
         """
-        return await self.calls.run(fn, *args, on_abandon=on_abandon)
+        return await self.calls.run(fn, *args, on_abandon=on_abandon, writes=writes)
 
     async def pread(self, off, length):
-        return await self.run(self.pread_sync, off, length)
+        return await self.run(self.pread_sync, off, length, writes=False)
 
     async def pwrite(self, off, data, source=None):
         return await self.run(self.pwrite_sync, off, data, source)

@@ -4,16 +4,24 @@ waits for it at most ``io_timeout`` seconds.
 A call the device does not answer in time is *abandoned*: trio stops waiting for the
 thread (``abandon_on_cancel``) and the caller gets :class:`~kvfs.errors.DeviceTimeout`
 (EIO). The thread itself cannot be stopped: it stays in its system call until the
-device answers (a hung NVMe path, a stall), and finishes then. A call abandoned by a
-cancellation of its caller is the same. What the late call does must harm nobody, so:
+device answers (a hung NVMe path, a stall), and finishes then. What the late call
+does must harm nobody, so:
 
 - A late *read* fills a buffer its caller has dropped: the block cache recycles only
   the buffers of reads that returned, so nobody ever sees those bytes.
-- A late *write* must not land on an extent that was handed out again meanwhile: the
-  store gives extents back through :meth:`CallTracker.after_abandoned`, which waits
-  until every call abandoned so far has really finished.
+- A late *write* (or discard) must not land on an extent that was handed out again
+  meanwhile: the store gives extents back through :meth:`CallTracker.after_abandoned`,
+  which waits until every writing call abandoned so far has really finished.
 - A late *metadata write* (journal frame, checkpoint) must not be overtaken by a later
   one: the store passes ``on_abandon`` and stops accepting writes when it fires.
+
+A cancellation of the caller (an unmount, a cancelled nursery) does not abandon the
+call: it waits for the call to finish, as it always did, but at most ``io_timeout``.
+Only the time bound leaves threads running.
+
+The bound is measured on trio's clock, the system's monotonic clock in the daemon.
+Under a virtual clock (trio.testing.MockClock with autojump, in tests) it would fire
+whenever every task waits for a device thread: such tests open the device with no bound.
 
 The worker thread keeps its limiter token until it finishes (trio releases it only
 then), so a hung device holds at most ``io_threads`` threads; later calls wait for a
@@ -34,10 +42,10 @@ _QUEUED, _RUNNING, _SKIP, _LATE, _DONE = range(5)
 
 
 class _Call:
-    __slots__ = ("fn", "args", "state", "result", "error")
+    __slots__ = ("fn", "args", "writes", "state", "result", "error")
 
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
+    def __init__(self, fn, args, writes):
+        self.fn, self.args, self.writes = fn, args, writes
         self.state = _QUEUED
         self.result = self.error = None
 
@@ -54,19 +62,23 @@ class CallTracker:
         self._waiters = []              # [set of late calls, callback]: run once the set is empty
         self.timeouts = 0
 
-    async def run(self, fn, *args, on_abandon=None):
+    async def run(self, fn, *args, on_abandon=None, writes=True):
         """``fn(*args)`` in a worker thread; DeviceTimeout after ``timeout`` seconds.
 
-        ``on_abandon()`` is called (on the event loop) when the call was started but is
-        left running: by the timeout, or by a cancellation of the caller.
+        ``on_abandon()`` is called (on the event loop) when the call was started and is
+        left running after the time ran out. ``writes=False`` says the call only reads:
+        nobody needs to wait for it once it is abandoned.
         """
-        call = _Call(fn, args)
+        call = _Call(fn, args, writes)
         token = trio.lowlevel.current_trio_token()
         try:
-            with trio.move_on_after(self.timeout if self.timeout is not None else float("inf")):
+            # Shielded: a cancellation of the caller waits for the call (it may be a
+            # write), as a plain to_thread call would, but never past the time bound.
+            with trio.CancelScope(shield=True), \
+                    trio.move_on_after(self.timeout if self.timeout is not None else float("inf")):
                 return await trio.to_thread.run_sync(self._work, call, token, limiter=self.limiter,
                                                      abandon_on_cancel=True)
-        except BaseException:           # the call failed, or our caller was cancelled
+        except BaseException:           # the call failed (or a KeyboardInterrupt came)
             if self._abandon(call) == _RUNNING and on_abandon is not None:
                 on_abandon()
             raise
@@ -131,11 +143,12 @@ class CallTracker:
                 token.run_sync_soon(callback)
 
     def after_abandoned(self, callback):
-        """Run ``callback()`` (on the event loop) once every call abandoned so far has finished:
-        at once when none is left running."""
+        """Run ``callback()`` (on the event loop) once every writing call abandoned so far has
+        finished: at once when none is left running."""
         with self._lock:
-            if self._late:
-                self._waiters.append([set(self._late), callback])
+            writing = {call for call in self._late if call.writes}
+            if writing:
+                self._waiters.append([writing, callback])
                 return
         callback()
 

@@ -150,7 +150,7 @@ class ExtentStore:
                      "EIO" if error is DeviceFailed else "EROFS")
 
     async def _metadata_io(self, fn, *args):
-        """A journal or checkpoint device call; abandoned (io_timeout, or cancelled), it stops all writes."""
+        """A journal or checkpoint device call; left running past io_timeout, it stops all writes."""
         def abandoned():
             self.fence(f"a journal or checkpoint write ({fn.__name__}) did not complete within "
                        f"{self.device.timeout:g} s (io_timeout) and may still land", DeviceFailed)
@@ -285,7 +285,7 @@ class ExtentStore:
 
     async def run(self, fn, *args):
         """Run blocking work (a read and its verification) in a device worker thread."""
-        return await self.device.run(fn, *args)
+        return await self.device.run(fn, *args, writes=False)
 
     # -- journal ------------------------------------------------------------
     def append(self, record):
