@@ -45,6 +45,7 @@ class MountOptions:
     low_watermark: float = 0.8        # ... and stops below this one
     eviction_policy: str = "s3fifo"   # kvfs/namespace/policy.py
     io_retry: float = 10.0            # seconds a failing device transfer is retried (a path reconnect)
+    io_timeout: float = 60.0          # seconds a caller waits for any device call (then EIO); > io_retry
     metrics_port: int = 0             # serve Prometheus /metrics on this port (0: not at all)
     metrics_addr: str = "127.0.0.1"
     dedup_groups: object = None       # None: dedup per uid; "all"; or uid sets (blockindex.DedupDomains)

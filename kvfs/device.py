@@ -14,6 +14,7 @@ import ctypes.util
 import dataclasses
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -23,7 +24,11 @@ import time
 import trio
 
 from .aligned import SECTOR, align_up, new_buffer
-from .errors import Busy, DeviceError, Fenced, InternalError, NotADevice, NotFound, device_error, os_error
+from .devicecalls import CallTracker, asked, counts_errors
+from .errors import (Busy, DeviceError, Fenced, InternalError, InvalidArgument, NotADevice, NotFound,
+                     device_error, os_error)
+
+log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
@@ -54,12 +59,19 @@ class DeviceStatistics:
     read_latency_counts: tuple = ()     # reads per READ_LATENCY_BOUNDS bucket (not cumulative), then the rest
     read_latency_sum: float = 0.0       # seconds spent in all reads
     retries: int = 0                    # transfers retried within the retry window
+    read_errors: int = 0                # calls that ended in an error (after any retries), by kind
+    write_errors: int = 0
+    sync_errors: int = 0
+    discard_errors: int = 0
+    short_transfers: int = 0            # system calls that moved fewer bytes than asked (absorbed or not)
+    timeouts: int = 0                   # calls whose callers gave up after io_timeout (EIO)
+    late_calls: int = 0                 # of those, still running in their threads
 
 
 class Device:
     """An open kvfs device. Use :meth:`open`; close with :meth:`close`."""
 
-    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64, retry_window=0.0):
+    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64, retry_window=0.0, timeout=60.0):
         self.path = str(path)
         self.fd = fd
         self.size = size
@@ -78,7 +90,14 @@ class Device:
         # NVMe-oF controller reconnect fails I/O for a while, then recovers.
         self.retry_window = retry_window
         self._retries = 0
+        self._errors = dict.fromkeys(("read", "write", "sync", "discard"), 0)
+        self._short = 0
+        if timeout is not None and not timeout > retry_window:
+            raise InvalidArgument(f"io_timeout ({timeout:g} s) must be longer than io_retry ({retry_window:g} s)")
+        # Every async call waits at most ``timeout`` seconds (io_timeout): see kvfs/devicecalls.py.
+        self.calls = CallTracker(self.limiter, timeout, name=self.path)
         self.fenced = None              # why writes are refused (multi-mount protection), or None
+        self.fence_error = Fenced       # what a refused write raises
 
     @classmethod
     def open(cls, path, *, readonly=False, lock=True, **kw):
@@ -103,22 +122,41 @@ class Device:
             os.close(fd)
             raise
 
-    def fence(self, reason):
+    def fence(self, reason, error=Fenced):
         """Refuse every later write, flush, discard and preallocation (reads still work).
 
-        Multi-mount protection calls this when another host may own the store:
-        from here on nothing this process does can change the device.
+        Multi-mount protection calls this when another host may own the store
+        (``error`` Fenced, EROFS); the store, when a metadata write went unanswered
+        (DeviceFailed, EIO). From here on nothing this process does can change the device.
         """
-        self.fenced = reason
+        self.fenced, self.fence_error = reason, error
 
     def _check_fence(self):
         if self.fenced:
-            raise Fenced(f"{self.path}: writes are stopped: {self.fenced}")
+            raise self.fence_error(f"{self.path}: writes are stopped: {self.fenced}")
+
+    @property
+    def timeout(self):
+        return self.calls.timeout
+
+    def after_abandoned(self, callback):
+        """Run ``callback()`` once no abandoned call can still write to the device (see CallTracker)."""
+        self.calls.after_abandoned(callback)
 
     def close(self):
-        if self.fd >= 0:
+        if self.fd < 0:
+            return
+        if self.calls.late_calls():
+            # An abandoned call may still make its system call on this descriptor: keep
+            # the number taken, on /dev/null, so it can never reach a file opened later
+            # under the same number (the lock goes with the store's open file).
+            log.warning("%s: closed with %d device call(s) still unanswered", self.path, self.calls.late_calls())
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, self.fd)
+            os.close(null)
+        else:
             os.close(self.fd)
-            self.fd = -1
+        self.fd = -1
 
     def _buffer(self, span):
         """A page-aligned buffer of at least ``span`` bytes, private to this thread.
@@ -134,6 +172,7 @@ class Device:
         return buf
 
     # -- synchronous primitives (called in worker threads or by offline tools) --
+    @counts_errors("read")
     def pread_sync(self, off, length):
         """Read exactly ``length`` bytes at ``off``; a short read is an error."""
         if off < 0 or off + length > self.size:
@@ -174,6 +213,7 @@ class Device:
             self._latency[bisect.bisect_left(READ_LATENCY_BOUNDS, took)] += 1
             self._latency_sum += took
 
+    @counts_errors("read")
     def read_block_sync(self, off, length, buf=None):
         """Read ``length`` bytes at a sector-aligned ``off`` into a page-aligned buffer.
 
@@ -192,6 +232,7 @@ class Device:
         self._read_span(buf, off, span, need=length)
         return memoryview(buf).toreadonly()[:length]
 
+    @counts_errors("read")
     def read_blocks_sync(self, off, lengths, bufs):
         """Read contiguous blocks at a sector-aligned ``off`` into ``bufs`` with one preadv.
 
@@ -244,6 +285,7 @@ class Device:
             self._latency_sum += took
         return [memoryview(b).toreadonly()[:n] for b, n in zip(bufs, lengths)]
 
+    @counts_errors("write")
     def pwrite_sync(self, off, data, source=None):
         """Write ``data`` at a sector-aligned ``off``, zero-padded to whole sectors.
 
@@ -277,6 +319,7 @@ class Device:
             self._bytes_written += span
             self._writes += 1
 
+    @counts_errors("sync")
     def sync_sync(self):
         self._check_fence()
         try:
@@ -308,6 +351,7 @@ class Device:
         except OSError as exc:
             raise device_error(exc, f"cannot reserve host space for kvfs metadata: {exc.strerror}") from None
 
+    @counts_errors("discard")
     def discard_sync(self, off, length):
         """Tell the device a range is unused (TRIM / hole punch). Best effort."""
         if not self.discard_supported or length <= 0:
@@ -333,7 +377,11 @@ class Device:
             if fenceable:
                 self._check_fence()
             try:
-                return call(*args)
+                moved = call(*args)
+                if moved is not None and moved < asked(args[0]):
+                    with self._lock:
+                        self._short += 1
+                return moved
             except OSError as exc:
                 if exc.errno not in RETRIED_ERRNOS or self.retry_window <= 0:
                     raise
@@ -368,12 +416,15 @@ class Device:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
     # -- async wrappers: never block the trio loop --------------------------
-    async def run(self, fn, *args):
-        """Run a blocking device function in a worker thread."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    async def run(self, fn, *args, on_abandon=None, writes=True):
+        """Run a blocking device function in a worker thread; DeviceTimeout (EIO) after io_timeout.
+
+        ``on_abandon``, ``writes``: see :meth:`kvfs.devicecalls.CallTracker.run`.
+        """
+        return await self.calls.run(fn, *args, on_abandon=on_abandon, writes=writes)
 
     async def pread(self, off, length):
-        return await self.run(self.pread_sync, off, length)
+        return await self.run(self.pread_sync, off, length, writes=False)
 
     async def pwrite(self, off, data, source=None):
         return await self.run(self.pwrite_sync, off, data, source)
@@ -389,7 +440,9 @@ class Device:
             return DeviceStatistics(self.path, self.size, self.direct_io, self._bytes_read,
                                     self._bytes_written, self._reads, self._writes, self._syncs,
                                     self._discards, self._inflight, self._inflight_max,
-                                    tuple(self._latency), self._latency_sum, self._retries)
+                                    tuple(self._latency), self._latency_sum, self._retries,
+                                    *self._errors.values(), self._short, self.calls.timeouts,
+                                    self.calls.late_calls())
 
 
 def _open_direct(path, flags):

@@ -39,6 +39,11 @@ class DeviceError(KvfsError):
     """The device failed an I/O request or returned a short transfer."""
 
 
+class DeviceTimeout(DeviceError):
+    """The device did not answer a call within ``io_timeout`` seconds: EIO for the caller.
+    The call's worker thread runs on until the device answers (kvfs/devicecalls.py)."""
+
+
 class DeviceFull(DeviceError):
     """The host filesystem under a store file has no room left (ENOSPC below kvfs)."""
 
@@ -50,6 +55,13 @@ class Fenced(KvfsError):
     heartbeat could not be written. Reads still work; every write is refused (EROFS)."""
 
     errno = _errno.EROFS
+
+
+class DeviceFailed(Fenced):
+    """Writes are stopped because a journal or checkpoint write went unanswered (io_timeout):
+    it may still land, so nothing may be written after it. Reads still work; writes get EIO."""
+
+    errno = _errno.EIO
 
 
 class InternalError(KvfsError):

@@ -33,7 +33,8 @@ every run. A rule is a JSON object::
         "stall"  a path-loss window of "seconds", starting "after" seconds
                  (default 0) after the plan was loaded: a call that arrives in
                  the window waits until the window ends, then proceeds (an
-                 NVMe-oF controller reconnect)
+                 NVMe-oF controller reconnect; one longer than io_timeout is
+                 a hung path: the caller gets EIO, the call lands late)
         "flip"   read: one bit of the bytes read inside the range is flipped,
                  silently; the block index's checksum must catch it
      "seconds": s, "after": s}
@@ -244,10 +245,13 @@ class FaultyDevice:
 
     def _inject(self, op, off, length):
         """Decide which rules fire on this call, sleep for them, raise EIO; returns the rest."""
-        now = time.monotonic()
-        self._maybe_reload(now)
-        fired, delay, stall_end = [], 0.0, now
+        self._maybe_reload(time.monotonic())
+        fired, delay = [], 0.0
         with self._lock:
+            # Read under the lock: a reload (by this call or another thread) starts its
+            # windows then, and a call that waited for it must count as inside them.
+            now = time.monotonic()
+            stall_end = now
             for i, rule in enumerate(self._plan.rules):
                 if not rule.matches(op, off, length):
                     continue

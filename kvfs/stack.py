@@ -14,16 +14,16 @@ from . import faults
 from .blockcache import BlockCache
 from .blockindex import BlockIndex
 from .device import Device
-from .errors import FormatError, KvfsError
+from .errors import DeviceFailed, FormatError, KvfsError
 from .namespace import Namespace, Tree
 from .store import ExtentStore
 
 log = logging.getLogger(__name__)
 
 
-def open_device(path, *, readonly=False, retry_window=0.0):
+def open_device(path, *, readonly=False, retry_window=0.0, timeout=60.0):
     """The device at ``path``; under a test fault plan ($KVFS_TEST_FAULTS, kvfs/faults.py) wrapped in it."""
-    device = Device.open(path, readonly=readonly, retry_window=retry_window)
+    device = Device.open(path, readonly=readonly, retry_window=retry_window, timeout=timeout)
     try:
         return faults.from_environment(device)
     except BaseException:
@@ -126,7 +126,8 @@ class Filesystem:
         multi-mount protection record first (only check it, when ``readonly``);
         the daemon passes it, in-process users leave it out.
         """
-        device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0))
+        device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0),
+                             timeout=getattr(options, "io_timeout", 60.0))
         store = None
         try:
             if not readonly:            # warnings go to the daemon's log, once (not mount.kvfs's check)
@@ -214,6 +215,15 @@ class Filesystem:
             "device_reads_inflight_max": dev.reads_in_flight_max,
             "device_io_retries": dev.retries,
             "io_retry_s": self.device.retry_window,
+            "io_timeout_s": self.device.timeout,
+            "device_read_errors": dev.read_errors,
+            "device_write_errors": dev.write_errors,
+            "device_sync_errors": dev.sync_errors,
+            "device_discard_errors": dev.discard_errors,
+            "device_short_transfers": dev.short_transfers,
+            "device_timeouts": dev.timeouts,
+            "device_late_calls": dev.late_calls,
+            "device_failed": int(bool(self.device.fenced) and self.device.fence_error is DeviceFailed),
             "device_bytes_written": dev.bytes_written,
             "device_bytes_read": dev.bytes_read,
             "data_bytes_written": idx.data_bytes_written,

@@ -12,7 +12,7 @@ import trio
 
 from ..aligned import new_buffer
 from ..crashpoints import crashpoint
-from ..errors import DedupCollision, KvfsError, NoSpace
+from ..errors import DedupCollision, DeviceTimeout, KvfsError, NoSpace
 from .filedata import Dirty, all_zero
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,10 @@ class WriteBack:
             d.attempts += 1
             d.queued = False
             log.error("flushing a block failed (attempt %d): %s", d.attempts, exc)
-            # No space, or a dedup hit on other bytes: trying again cannot help.
-            if d.attempts >= FLUSH_RETRIES or isinstance(exc, (NoSpace, DedupCollision)):
+            # No space, or a dedup hit on other bytes: trying again cannot help. A device
+            # that did not answer within io_timeout (its own retries included) would only
+            # hold the writer's fsync for another io_timeout.
+            if d.attempts >= FLUSH_RETRIES or isinstance(exc, (NoSpace, DedupCollision, DeviceTimeout)):
                 self._fail_file(filedata, type(exc))
             else:
                 await trio.sleep(0.2 * d.attempts)

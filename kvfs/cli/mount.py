@@ -72,6 +72,13 @@ def _retry_seconds(value):
     return number
 
 
+def _timeout_seconds(value):
+    number = _number(float, value)
+    if not (math.isfinite(number) and 0.1 <= number <= 3600):
+        raise ValueError("must be from 0.1 to 3600 seconds")
+    return number
+
+
 def _mmp_seconds(value):
     number = _number(float, value)
     if not (math.isfinite(number) and mmp.MIN_INTERVAL <= number <= mmp.MAX_INTERVAL):
@@ -115,7 +122,7 @@ def parse_options(text):
             continue
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
                                               "low_watermark", "eviction_policy", "metrics_port",
-                                              "metrics_addr", "io_retry", "dedup_groups", "dedup_verify",
+                                              "metrics_addr", "io_retry", "io_timeout", "dedup_groups", "dedup_verify",
                                               "mmp_interval"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
@@ -140,6 +147,8 @@ def parse_options(text):
                 opts.eviction_policy = value
             elif name == "io_retry":
                 opts.io_retry = _retry_seconds(value)
+            elif name == "io_timeout":
+                opts.io_timeout = _timeout_seconds(value)
             elif name == "mmp_interval":
                 opts.mmp_interval = _mmp_seconds(value)
             elif name == "metrics_port":
@@ -162,6 +171,11 @@ def parse_options(text):
     if not opts.low_watermark < opts.high_watermark:
         raise InvalidArgument(f"watermarks out of order: low_watermark ({opts.low_watermark:.0%}) must be "
                               f"below high_watermark ({opts.high_watermark:.0%})")
+    if "io_timeout" not in given:
+        opts.io_timeout = max(opts.io_timeout, 2 * opts.io_retry)     # a long io_retry raises the default
+    elif not opts.io_timeout > opts.io_retry:
+        raise InvalidArgument(f"mount option 'io_timeout' ({opts.io_timeout:g} s) must be longer than "
+                              f"'io_retry' ({opts.io_retry:g} s): a device call is retried within its time bound")
     if "dirty_limit" not in given:
         opts.dirty_limit = opts.cache_size // 2
     elif opts.dirty_limit > opts.cache_size:
@@ -290,6 +304,7 @@ def main(argv):
                       "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
                       "domain), dedup_verify=off|bytes, high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
+                      "io_timeout=SECONDS (default 60, longer than io_retry), "
                       "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
                       "mmp_interval=SECONDS (default io_retry/4, at least 1), force, "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")

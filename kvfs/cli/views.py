@@ -44,9 +44,23 @@ def _error_lines(stats):
     """Errors by kind: every counter named like an error ("corrupt_reads", "*_errors", "errors_*")."""
     kinds = {"corrupt_reads": "corrupt block reads (served as EIO)"}
     for key in sorted(stats):
+        if key.startswith("device_"):
+            continue                    # the device's own line (_device_error_line)
         if key.endswith("_errors") or key.startswith("errors_"):
             kinds.setdefault(key, key.replace("_", " "))
     return [(text, stats[key]) for key, text in kinds.items() if isinstance(stats.get(key), int)]
+
+
+def _device_error_line(s):
+    """The device's errors by kind, on one line: failed calls (after io_retry), then the rest."""
+    if "device_read_errors" not in s:
+        return []
+    failed = ", ".join(f"{s.get(f'device_{op}_errors', 0)} {op}" for op in ("read", "write", "sync", "discard"))
+    line = (f"  device    failed {failed}; {s.get('device_short_transfers', 0)} short, "
+            f"{s.get('device_timeouts', 0)} timed out, {s.get('device_io_retries', 0)} retried")
+    if s.get("device_failed"):
+        line += "; WRITES STOPPED (a metadata write went unanswered)"
+    return [line]
 
 
 def _mmp_line(s):
@@ -108,6 +122,7 @@ def summary(stats, rates=None):
         lines += ["eviction", f"  evicted   {s['evictions']:,} files, {human(s.get('evicted_bytes', 0))}"]
     errors = _error_lines(s)
     lines.append("errors      " + (", ".join(f"{text}: {n}" for text, n in errors) if errors else "none"))
+    lines += _device_error_line(s)
     return lines
 
 

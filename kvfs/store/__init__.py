@@ -18,6 +18,12 @@ store claims the device's MMP record before it loads anything, and the daemon
 runs :meth:`ExtentStore.keep_heartbeat`. When the heartbeat finds another owner,
 or cannot be written, the store fences its device: from then on every write,
 commit and checkpoint fails with :class:`~kvfs.errors.Fenced` (EROFS).
+
+Device calls the device never answered (io_timeout, kvfs/devicecalls.py) may still
+land later. So an extent is given back to the allocator only once no abandoned call
+can still write to it, and a journal or checkpoint call that was abandoned stops
+all writes (:class:`~kvfs.errors.DeviceFailed`, EIO): a later frame or slot written
+now could be overwritten by the late one.
 """
 import dataclasses
 import logging
@@ -27,7 +33,7 @@ import trio
 
 from .. import schema
 from ..crashpoints import crashpoint, die, reached
-from ..errors import Busy, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
+from ..errors import Busy, DeviceFailed, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from . import mmp as mmp_protocol
 from .allocator import Allocator
 from .loader import load, read_superblock
@@ -58,6 +64,7 @@ class StoreCut:
     appended: int            # records appended before the cut: the checkpoint covers them
     free_map: tuple          # Allocator.copy_state() at the cut
     pending_frees: list      # extents freed by records before the cut, not yet reusable
+    releasing: list = ()     # extents no record names, waiting for abandoned device calls
 
 
 class ExtentStore:
@@ -79,6 +86,7 @@ class ExtentStore:
         self._appended = 0              # records appended since mount (monotonic)
         self._durable = 0               # of those, how many are durable
         self._pending_frees = []        # (appended-count, off, nbytes) awaiting durability
+        self._releasing = set()         # (off, nbytes) free once abandoned device calls finish
         self._encode_limiter = trio.CapacityLimiter(1)   # checkpoint encoding, off the event loop
         self.replaying = True           # frees take effect at once during replay
         self._commit_lock = trio.Lock()
@@ -128,16 +136,25 @@ class ExtentStore:
 
     def check_writable(self):
         if self.device.fenced:
-            raise Fenced(f"the store accepts no writes: {self.device.fenced}")
+            raise self.device.fence_error(f"the store accepts no writes: {self.device.fenced}")
 
-    def fence(self, reason):
-        """Stop every write to the device, at once and for good (another host may own it)."""
+    def fence(self, reason, error=Fenced):
+        """Stop every write to the device, at once and for good (another host may own it, or
+        ``error`` DeviceFailed: a metadata write went unanswered)."""
         if self.device.fenced:
             return
-        self.device.fence(reason)
+        self.device.fence(reason, error)
         log.critical("%s: %s; stopped writing to the device: every write, fsync and metadata change "
-                     "now fails with EROFS, reads of stored data go on. Unmount this mount; what it had "
-                     "not yet written is lost", self.device.path, reason)
+                     "now fails with %s, reads of stored data go on. Unmount this mount; what it had "
+                     "not yet written is lost", self.device.path, reason,
+                     "EIO" if error is DeviceFailed else "EROFS")
+
+    async def _metadata_io(self, fn, *args):
+        """A journal or checkpoint device call; left running past io_timeout, it stops all writes."""
+        def abandoned():
+            self.fence(f"a journal or checkpoint write ({fn.__name__}) did not complete within "
+                       f"{self.device.timeout:g} s (io_timeout) and may still land", DeviceFailed)
+        await self.device.run(fn, *args, on_abandon=abandoned)
 
     async def keep_heartbeat(self):
         """The daemon's heartbeat task: one MMP heartbeat per interval until cancelled or fenced.
@@ -184,7 +201,9 @@ class ExtentStore:
 
     def mmp_statistics(self):
         fenced = self.fenced
-        out = {"mmp": f"fenced: {fenced}" if fenced else self.mmp_note, "mmp_fenced": int(bool(fenced))}
+        failed = self.device.fence_error is DeviceFailed
+        out = {"mmp": f"fenced: {fenced}" if fenced and not failed else self.mmp_note,
+               "mmp_fenced": int(bool(fenced) and not failed)}
         if self.mmp is not None:
             out.update(self.mmp.statistics())
         return out
@@ -227,7 +246,18 @@ class ExtentStore:
 
     def release_unused(self, off, nbytes):
         """Give back an extent that no record ever named (a failed block write)."""
-        self.allocator.free(off, nbytes)
+        self._give_back([(off, schema.align_up(nbytes))])
+
+    def _give_back(self, extents):
+        """Free ``extents`` in the allocator once no abandoned device call can still write to them
+        (at once when none is left running); until then checkpoints count them free."""
+        self._releasing.update(extents)
+
+        def release():
+            for off, nbytes in extents:
+                self._releasing.discard((off, nbytes))
+                self.allocator.free(off, nbytes)
+        self.device.after_abandoned(release)
 
     def free(self, off, nbytes):
         """Free an extent; live frees wait until the freeing record is durable."""
@@ -255,7 +285,7 @@ class ExtentStore:
 
     async def run(self, fn, *args):
         """Run blocking work (a read and its verification) in a device worker thread."""
-        return await self.device.run(fn, *args)
+        return await self.device.run(fn, *args, writes=False)
 
     # -- journal ------------------------------------------------------------
     def append(self, record):
@@ -298,13 +328,13 @@ class ExtentStore:
             self._pending = []
             frame = schema.encode_journal_frame(self.generation, self._frame_seq, payload, self.sb.hash_seed)
             try:
-                await self.device.sync()             # block data before the records naming it
+                await self._metadata_io(self.device.sync_sync)     # block data before the records naming it
                 crashpoint("commit-data-synced")
                 if reached("torn-frame"):
                     await self.device.run(self._write_torn_sync, self.sb.journal_off + self._journal_cursor, frame)
                     die("torn-frame")
-                await self.device.pwrite(self.sb.journal_off + self._journal_cursor, frame)
-                await self.device.sync()
+                await self._metadata_io(self.device.pwrite_sync, self.sb.journal_off + self._journal_cursor, frame)
+                await self._metadata_io(self.device.sync_sync)
             except BaseException:
                 self._pending = records + self._pending
                 raise
@@ -326,7 +356,7 @@ class ExtentStore:
     def cut(self):
         """What a checkpoint needs of the store at this instant: cheap copies, no await."""
         return StoreCut(self._appended, self.allocator.copy_state(),
-                        [(off, n) for _, off, n in self._pending_frees])
+                        [(off, n) for _, off, n in self._pending_frees], list(self._releasing))
 
     async def write_checkpoint(self, cut, state, transient=()):
         """Write ``state``, the namespace and blocks at ``cut``, with the free map at the cut.
@@ -339,7 +369,7 @@ class ExtentStore:
 
         def encode():
             free = Allocator(self.sb.data_off, self.sb.data_len, Allocator.extents_of(cut.free_map))
-            for off, n in [*transient, *cut.pending_frees]:
+            for off, n in [*transient, *cut.pending_frees, *cut.releasing]:
                 free.free(off, n)
             return msgpack.packb(dataclasses.replace(state, free=free.extents()).to_wire())
 
@@ -356,7 +386,7 @@ class ExtentStore:
             slot = 1 - self._active_slot
             off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
             generation = self.generation + 1
-            await self.device.sync()
+            await self._metadata_io(self.device.sync_sync)
             await self._write_slot(off, generation, payload)
             self._pending = self._pending[covered:]
             self.generation, self._active_slot = generation, slot
@@ -384,11 +414,12 @@ class ExtentStore:
         damage after the fact, which the loader may treat as proof that this
         generation existed.
         """
-        await self.device.pwrite(off + schema.SECTOR, payload)
-        await self.device.sync()
+        await self._metadata_io(self.device.pwrite_sync, off + schema.SECTOR, payload)
+        await self._metadata_io(self.device.sync_sync)
         crashpoint("checkpoint-payload-written")
-        await self.device.pwrite(off, schema.encode_checkpoint_header(generation, payload, self.sb.hash_seed))
-        await self.device.sync()
+        header = schema.encode_checkpoint_header(generation, payload, self.sb.hash_seed)
+        await self._metadata_io(self.device.pwrite_sync, off, header)
+        await self._metadata_io(self.device.sync_sync)
         crashpoint("checkpoint-header-written")
 
     def _write_torn_sync(self, off, frame):
@@ -412,9 +443,10 @@ class ExtentStore:
         try:
             await self.device.run(self._discard_all, ready)
             crashpoint("frees-discarded")
+        except KvfsError as exc:        # best effort: a discard the device never answered
+            log.warning("discard failed: %s", exc)
         finally:
-            for off, nbytes in ready:
-                self.allocator.free(off, nbytes)
+            self._give_back(ready)      # not before an abandoned discard has finished
 
     def _discard_all(self, extents):
         for off, nbytes in _coalesce(extents):

@@ -338,7 +338,9 @@ async def test_prefetch_reads_ahead_with_bounded_depth(tmp_path):
 async def test_failed_flush_marks_the_file_lost_never_wrong(tmp_path, autojump_clock):
     """A device that refuses writes: retries (timed by trio's clock), then EIO-style failure."""
     path = mkfs(tmp_path)
-    fs = open_fs(path, readonly=True)
+    # io_timeout is measured on trio's clock, which autojump moves on whenever every task
+    # waits for a device thread: under a virtual clock the device calls get no bound.
+    fs = open_fs(path, readonly=True, io_timeout=None)
     cache = fs.cache
     filedata = FileData()
     async with running(fs, persist=False):
