@@ -6,7 +6,6 @@ Python lives where only root may enter, so the unprivileged side runs the
 system Python (``/usr/bin/python3``) with a small probe script.
 """
 import errno
-import json
 import os
 import stat
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from userprobe import run_probe
 from kvfsmount import KvfsMount, run_tool
 
 MiB = 1 << 20
@@ -47,24 +47,12 @@ OPS = {
     "getxattr": lambda p, name: os.getxattr(p, name).decode(),
     "listxattr": lambda p: sorted(os.listxattr(p)),
 }
-out = []
-for op, *args in json.loads(sys.argv[1]):
-    try:
-        out.append({"ok": OPS[op](*args)})
-    except OSError as exc:
-        out.append({"errno": exc.errno})
-print(json.dumps(out))
 """
 
 
 def as_user(uid, *ops):
     """Run probe ops as ``uid`` (its own group, no supplementary groups); returns their results."""
-    proc = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-         SYSTEM_PYTHON, "-c", PROBE, json.dumps([[str(a) for a in op] for op in ops])],
-        capture_output=True, text=True, timeout=60, cwd="/")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return run_probe(uid, PROBE, ops, timeout=60)
 
 
 def one(uid, *op):

@@ -9,15 +9,13 @@ directory) with a small probe script, as tests/test_review_view.py does.
 """
 import errno
 import hashlib
-import json
 import os
-import subprocess
 
 from kvfs import schema
+from userprobe import run_probe
 
 ALICE, BOB, CAROL = 1000, 1001, 1002
 MiB = 1 << 20
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 # Runs as another uid: each op is [name, *args]; prints one JSON result per op.
 PROBE = r"""
@@ -49,23 +47,12 @@ OPS = {
     "bfree": bfree,
     "listdir": lambda p: sorted(os.listdir(p)),
 }
-out = []
-for op, *args in json.loads(sys.argv[1]):
-    try:
-        out.append({"ok": OPS[op](*args)})
-    except OSError as exc:
-        out.append({"errno": exc.errno})
-print(json.dumps(out))
 """
 
 
 def as_user(uid, *ops):
-    proc = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-         SYSTEM_PYTHON, "-c", PROBE, json.dumps([[str(a) for a in op] for op in ops])],
-        capture_output=True, text=True, timeout=120, cwd="/")
-    assert proc.returncode == 0, proc.stderr
-    return [r.get("ok", r.get("errno")) if "ok" in r else ("errno", r["errno"]) for r in json.loads(proc.stdout)]
+    """Run probe ops as ``uid``: each result is its value, or ("errno", n)."""
+    return [r["ok"] if "ok" in r else ("errno", r["errno"]) for r in run_probe(uid, PROBE, ops)]
 
 
 def sha_of(seed, size):
