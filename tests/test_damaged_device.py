@@ -15,7 +15,6 @@ import errno
 import hashlib
 import os
 import random
-import shutil
 import subprocess
 
 import pytest

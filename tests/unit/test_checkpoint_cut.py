@@ -11,7 +11,7 @@ import trio
 
 from kvfs.namespace import ROOT_INO
 
-from .helpers import BS, close_and_check, mkfs, open_fs, pattern, read_all, running, write_file
+from .helpers import close_and_check, mkfs, open_fs, pattern, read_all, running, write_file
 
 DIR_MODE = stat.S_IFDIR | 0o755
 
