@@ -199,6 +199,11 @@ class ReadSide:
         done = trio.Event()
         for key in run:
             self._reading[key] = done
+            # Pinned while the device reads it: nobody else holds a prefetched
+            # block, and a block freed meanwhile (its file emptied) is free space
+            # that a new block may overwrite before the read gets there; the read
+            # then saw other bytes and reported a corrupt block that was not.
+            self.index.pin(key)
         self._s["misses"] += len(run)
         self._s["inflight"] += len(run)
         self._s["inflight_max"] = max(self._s["inflight_max"], self._s["inflight"])
@@ -209,7 +214,9 @@ class ReadSide:
             for key in run:
                 if self._reading.get(key) is done:
                     del self._reading[key]
+                self.index.unpin(key)
             done.set()
         for key, data in zip(run, results):
-            if not isinstance(data, Exception):     # a corrupt block: its reader gets EIO itself
+            # A corrupt block: its reader gets EIO itself. A block freed meanwhile: nobody wants it.
+            if not isinstance(data, Exception) and key in self.index.entries:
                 self._remember(key, data)
