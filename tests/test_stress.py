@@ -95,7 +95,15 @@ def abort_connection(fs, conn):
     fs.kill9()
 
 
-@pytest.mark.parametrize("faulty, seconds", [(False, 90), (True, 60)], ids=["plain", "faults"])
+# An open defect this test finds (see the stress2 branch's report); remove the mark once fixed.
+WRITE_BOUNDARY_MIX = ("a buffered read can get a page whose bytes below a write-chunk boundary of an "
+                      "O_TRUNC rewrite are the previous content's and above it the new one's")
+
+
+@pytest.mark.parametrize("faulty, seconds", [
+    pytest.param(False, 90, id="plain", marks=pytest.mark.xfail(reason=WRITE_BOUNDARY_MIX, strict=False)),
+    pytest.param(True, 60, id="faults"),
+])
 def test_stress(kvfs_factory, faulty, seconds):
     seconds = float(SECONDS or seconds)
     options = OPTIONS + (["io_retry=3"] if faulty else [])
