@@ -195,7 +195,7 @@ class Device:
             done = 0
             with memoryview(buf) as view:
                 while done < span:
-                    n = self._retrying(self._sys_preadv, view[done:span], start + done)
+                    n = self._retrying(self._sys_preadv, view[done:span], start + done, progress=True)
                     if n == 0:
                         break
                     done += n
@@ -255,7 +255,7 @@ class Device:
         began = time.monotonic()
         views = [memoryview(b)[:s] for b, s in zip(bufs, spans)]
         try:
-            done = self._retrying(self._sys_preadv_many, views, off)
+            done = self._retrying(self._sys_preadv_many, views, off, progress=True)
             if done < total:
                 # Rare (a signal, a device boundary): finish block by block.
                 pos = 0
@@ -263,7 +263,8 @@ class Device:
                     if pos + span > done:
                         got = max(0, done - pos)
                         while got < span:
-                            n = self._retrying(self._sys_preadv, view[got:span], off + pos + got)
+                            n = self._retrying(self._sys_preadv, view[got:span], off + pos + got,
+                                               progress=True)
                             if n == 0:
                                 break
                             got += n
@@ -309,7 +310,8 @@ class Device:
             done = 0
             while done < span:
                 with memoryview(buf) as view:
-                    n = self._retrying(self._sys_pwrite, view[done:span], off + done, fenceable=True)
+                    n = self._retrying(self._sys_pwrite, view[done:span], off + done, fenceable=True,
+                                       progress=True)
                 if n == 0:
                     raise DeviceError(f"device write at {off} made no progress")
                 done += n
@@ -367,11 +369,16 @@ class Device:
         with self._lock:
             self._discards += 1
 
-    def _retrying(self, call, *args, fenceable=False):
+    def _retrying(self, call, *args, fenceable=False, progress=False):
         """``call(*args)``, retried with backoff for up to ``retry_window`` seconds on the
         errors a lost path gives (then the last error stands). Runs in a worker thread.
         A ``fenceable`` call (a write or flush) is not retried once the device is fenced:
-        a write waiting out a path loss must not land after another host took over."""
+        a write waiting out a path loss must not land after another host took over.
+
+        ``progress``: the call is a transfer inside the device, so moving nothing
+        (0 bytes, where the device has more) is a failed transfer too, a short
+        transfer of zero bytes, and is retried in the same window; once the
+        window is over the 0 stands and the caller reports the short transfer."""
         deadline, pause = None, 0.05
         while True:
             if fenceable:
@@ -381,18 +388,24 @@ class Device:
                 if moved is not None and moved < asked(args[0]):
                     with self._lock:
                         self._short += 1
-                return moved
+                if not progress or moved != 0:
+                    return moved
+                failed = None
             except OSError as exc:
-                if exc.errno not in RETRIED_ERRNOS or self.retry_window <= 0:
+                if exc.errno not in RETRIED_ERRNOS:
                     raise
-                now = time.monotonic()
+                failed = exc
+            now = time.monotonic()
+            if self.retry_window > 0:
                 deadline = deadline or now + self.retry_window
-                if now >= deadline:
-                    raise
-                with self._lock:
-                    self._retries += 1
-                time.sleep(min(pause, deadline - now))
-                pause = min(pause * 2, 1.0)
+            if deadline is None or now >= deadline:
+                if failed is not None:
+                    raise failed
+                return 0
+            with self._lock:
+                self._retries += 1
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 1.0)
 
     # -- the system calls: every transfer above goes through exactly these ----
     # One call each, no checks: the callers handle short transfers and errors.

@@ -27,9 +27,13 @@ every run. A rule is a JSON object::
                  loss whose errors come back at once (fast_io_fail_tmo), which
                  the device retries for its bounded reconnect time
         "short"  read or write: the call transfers half of what was asked, in
-                 whole sectors, and nothing once less than two sectors are left.
-                 One short call is absorbed by Device's retry loop; a rule that
-                 keeps firing ends in Device's short-read / no-progress error.
+                 whole sectors, so nothing at all when one sector is asked: a
+                 zero-byte transfer, which Device retries within its retry
+                 window (io_retry) like a lost path's error, and which is an
+                 error at once without a window. A short call that moved
+                 something is absorbed by Device's transfer loop, which asks
+                 for the rest; a rule that keeps firing ends in Device's
+                 short-read / no-progress error (after the window, if any).
         "stall"  a path-loss window of "seconds", starting "after" seconds
                  (default 0) after the plan was loaded: a call that arrives in
                  the window waits until the window ends, then proceeds (an

@@ -44,7 +44,16 @@ What a read may return (``History.check_read``)
       those split points must be the bytes, at that offset, of one content
       the object held (the last piece may end early: a prefix, or EOF after a
       truncation). Never bytes from no content, never a piece mixing two
-      contents within a page, never zeros.
+      contents within a page, never zeros;
+    * except in a mapping: an mmap read copies a length taken when it mapped
+      the file, and a mapping reads zeros past the file's end (POSIX zero-
+      fills the partial page at the end; a page wholly past the end raises
+      SIGBUS, counted apart, unless the fault came before the kernel learnt
+      of an O_TRUNC the daemon had already done: then the kernel fills it
+      with zeros). So when a rewrite shrank the file under the mapping, a
+      piece of an mmap read may be zeros past the end of a state: the old
+      content's end, the empty file's, or the end of any prefix of the new
+      content (a piece may start with those bytes).
 
     Anything else is a ``Violation`` naming the name, offset, what was allowed
     and what was read.
@@ -156,8 +165,9 @@ class History:
             return {name: self.objects[segs[-1].value][-1].value[1]
                     for name, segs in self.names.items() if segs[-1].value is not None}
 
-    def check_read(self, name, t0, t_open, t1, data, granule):
-        """Raise Violation unless ``data`` (None: ENOENT) is a legitimate read of ``name``."""
+    def check_read(self, name, t0, t_open, t1, data, kind="buffered"):
+        """Raise Violation unless ``data`` (None: ENOENT) is a legitimate read of ``name``
+        by a reader of ``kind`` ("buffered", "O_DIRECT" or "mmap")."""
         with self.lock:
             held = [s.value for s in self._name_segs(name) if s.overlaps(t0, t_open)]
             states = {obj: [s.value for s in self.objects[obj] if s.overlaps(t0, t1)]
@@ -176,7 +186,8 @@ class History:
                 return
             rewritten = any(kind == "rewrite" for kind, _ in values)
             if rewritten:
-                problem = _piecewise(data, specs, granule)
+                targets = {spec for k, spec in values if k == "rewrite"}
+                problem = _piecewise(data, specs, PAGE, prefix_states=targets if kind == "mmap" else None)
                 if problem is None:
                     return
             else:
@@ -199,10 +210,14 @@ def _first_difference(data, specs):
             f"{describe(want, first)}, got {describe(data, first)}")
 
 
-def _piecewise(data, specs, granule):
+def _piecewise(data, specs, granule, *, prefix_states=None):
     """None if every piece of ``data`` between split points is one content's bytes
     there, else why not. Split points: every ``granule`` boundary, and the end of
-    each content (where a read that met a state's EOF went on after the file grew)."""
+    each content (where a read that met a state's EOF went on after the file grew).
+    ``prefix_states`` (a mapping; the contents whose every prefix was a state): a
+    piece may also be zeros past the end of a state: the bytes there of one
+    content up to its end (or anywhere, for those in ``prefix_states``), or
+    none (the empty file), then only zeros."""
     longest = max(len(content(*s)) for s in specs)
     if len(data) > longest:
         return f"{len(data)} bytes, longer than every state ({longest})"
@@ -210,13 +225,16 @@ def _piecewise(data, specs, granule):
     cuts = sorted(set(range(0, len(data), granule)) | {n for n in ends if 0 < n < len(data)})
     for off, stop in zip(cuts, cuts[1:] + [len(data)]):
         piece = data[off:stop]
-        if not any(content(*s)[off:off + len(piece)] == piece for s in specs):
-            candidates = "; ".join(f"{s}: {describe(content(*s), off)}, the read matches it for "
-                                   f"{_common(content(*s)[off:], piece)} bytes, then has "
-                                   f"{describe(data, off + _common(content(*s)[off:], piece))}"
-                                   for s in specs)
-            return (f"the piece [{off}, {stop}) is from no state: got "
-                    f"{describe(data, off)}; expected one of {candidates}")
+        if any(content(*s)[off:off + len(piece)] == piece for s in specs):
+            continue
+        if prefix_states is not None and any(_past_the_end(piece, off, s, s in prefix_states) for s in specs):
+            continue
+        candidates = "; ".join(f"{s}: {describe(content(*s), off)}, the read matches it for "
+                               f"{_common(content(*s)[off:], piece)} bytes, then has "
+                               f"{describe(data, off + _common(content(*s)[off:], piece))}"
+                               for s in specs)
+        return (f"the piece [{off}, {stop}) is from no state: got "
+                f"{describe(data, off)}; expected one of {candidates}")
     return None
 
 
@@ -224,3 +242,15 @@ def _common(a, b):
     """The length of the common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _past_the_end(piece, off, spec, any_prefix):
+    """``piece`` at ``off`` is, in a mapping, zeros past the end of a state: the bytes
+    of ``spec`` there up to its end (or up to anywhere if ``any_prefix``), then zeros."""
+    want = content(*spec)[off:off + len(piece)]
+    n = _common(piece, want)
+    if any(piece[n:]):
+        return False
+    # The common prefix may run into zero bytes of the content (every word's high
+    # half starts with zeros); it is a state's end if some cut of it is one.
+    return any_prefix or n >= len(want) or not any(piece[:n]) or off + n >= len(content(*spec))

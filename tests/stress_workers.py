@@ -227,12 +227,12 @@ class Stress:
             os.setxattr(self.mnt, "user.kvfs.control", command.encode())
 
     # -- readers ----------------------------------------------------------------
-    def _checked(self, name, t0, t_open, data, granule):
+    def _checked(self, name, t0, t_open, data, kind):
         t1 = time.monotonic()
         try:
-            self.history.check_read(name, t0, t_open, t1, data, granule)
+            self.history.check_read(name, t0, t_open, t1, data, kind)
         except Violation as exc:
-            self.fail(str(exc))
+            self.fail(f"{kind} read: {exc}")
 
     def _eio(self, kind, name, exc):
         if exc.errno != errno.EIO:
@@ -248,7 +248,7 @@ class Stress:
             try:
                 fd = os.open(self.path(name), os.O_RDONLY)
             except FileNotFoundError:
-                return self._checked(name, t0, time.monotonic(), None, PAGE)
+                return self._checked(name, t0, time.monotonic(), None, "buffered")
             t_open = time.monotonic()
             parts = []
             try:
@@ -258,7 +258,7 @@ class Stress:
                 return self._eio("buffered read", name, exc)
             finally:
                 os.close(fd)
-            self._checked(name, t0, t_open, b"".join(parts), PAGE)
+            self._checked(name, t0, t_open, b"".join(parts), "buffered")
 
     def direct_reader(self, worker, rng):
         name = rng.choice(NAMES)
@@ -270,7 +270,7 @@ class Stress:
             try:
                 fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECT)
             except FileNotFoundError:
-                return self._checked(name, t0, time.monotonic(), None, PAGE)
+                return self._checked(name, t0, time.monotonic(), None, "O_DIRECT")
             t_open = time.monotonic()
             try:
                 n = os.preadv(fd, [mem], 0)
@@ -278,7 +278,7 @@ class Stress:
                 return self._eio("O_DIRECT read", name, exc)
             finally:
                 os.close(fd)
-            self._checked(name, t0, t_open, mem[:n], PAGE)
+            self._checked(name, t0, t_open, mem[:n], "O_DIRECT")
 
     def mmap_reader(self, worker, rng):
         child = self._mmap_children.get(worker)
@@ -303,10 +303,10 @@ class Stress:
             status, length = struct.unpack("<iQ", head)
             data = child.stdout.read(length)
             if status == errno.ENOENT:
-                return self._checked(name, t0, time.monotonic(), None, PAGE)
+                return self._checked(name, t0, time.monotonic(), None, "mmap")
             if status:
                 return self._eio("mmap read", name, OSError(status, os.strerror(status)))
-            self._checked(name, t0, time.monotonic(), data, PAGE)
+            self._checked(name, t0, time.monotonic(), data, "mmap")
 
     def _rewritten_during(self, name, t0, t1):
         h = self.history

@@ -209,6 +209,12 @@ class ReadSide:
             done = trio.Event()
             for key in run:
                 self._reading[key] = done
+        for key in run:
+            # Pinned while the device reads it: nobody else holds a prefetched
+            # block, and a block freed meanwhile (its file emptied) is free space
+            # that a new block may overwrite before the read gets there; the read
+            # then saw other bytes and reported a corrupt block that was not.
+            self.index.pin(key)
         self._s["read_handoffs"] += 1
         self._s["blocks_fetched"] += len(run)
         self._s["misses"] += len(run)
@@ -218,11 +224,14 @@ class ReadSide:
             results = await self.index.read_run(run, [self._clean_buffer() for _ in run])
         finally:
             self._s["inflight"] -= len(run)
+            for key in run:
+                self.index.unpin(key)
             if own:
                 for key in run:
                     if self._reading.get(key) is done:
                         del self._reading[key]
                 done.set()
         for key, data in zip(run, results):
-            if not isinstance(data, Exception):     # a corrupt block: its reader gets EIO itself
+            # A corrupt block: its reader gets EIO itself. A block freed meanwhile: nobody wants it.
+            if not isinstance(data, Exception) and key in self.index.entries:
                 self._remember(key, data)

@@ -13,7 +13,7 @@ import trio
 from ..aligned import new_buffer
 from ..crashpoints import crashpoint
 from ..errors import DedupCollision, DeviceTimeout, KvfsError, NoSpace
-from .filedata import Dirty, all_zero
+from .filedata import Dirty, FileData, all_zero
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +292,27 @@ class WriteBack:
         filedata.blocks = []
         filedata.size = 0
         filedata.failed = None
+
+    def snapshot(self, filedata):
+        """A read-only copy of ``filedata`` as it is now, for :meth:`read`: its stored
+        blocks pinned again, its dirty bytes copied (the copies are never flushed).
+        Give it back with :meth:`release_snapshot`."""
+        snap = FileData(filedata.size, domain=filedata.domain)
+        for entry in filedata.blocks:
+            if isinstance(entry, Dirty):
+                entry = Dirty(bytes(entry.buf))
+            elif entry is not None:
+                self.index.pin(entry)
+            snap.blocks.append(entry)
+        snap.failed = filedata.failed
+        snap.prefetched_upto = len(snap.blocks)       # readers of it prefetch nothing
+        return snap
+
+    def release_snapshot(self, snap):
+        for entry in snap.blocks:
+            if isinstance(entry, bytes):
+                self.index.unpin(entry)
+        snap.blocks, snap.size = [], 0
 
     def attach(self, filedata):
         """Pin the stored blocks of a FileData built from durable state."""

@@ -6,6 +6,7 @@ It talks only to the block cache below it. Its parts:
 ``tree``        the durable tree: records applied (live and at replay), load, snapshot
 ``view``        the read-only ``/.kvfs/by-hash`` view
 ``durability``  sealing files, commits and checkpoints, background upkeep
+``truncation``  an O_TRUNC open under readers
 this module     the operations the FUSE layer calls
 """
 import dataclasses
@@ -26,6 +27,7 @@ from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_CO
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
 from .tree import Tree
+from .truncation import TruncationWindow
 from .view import ByHashView
 
 __all__ = ["BY_HASH_INO", "FIRST_INO", "KEY_XATTR", "META_DIR_INO", "META_NAME", "NAME_MAX", "ROOT_INO",
@@ -60,7 +62,7 @@ class NamespaceStatistics:
     checkpoint_rows_saved_on_loop: int   # inode rows saved on the loop because a change came first
 
 
-class Namespace(Durability):
+class Namespace(Durability, TruncationWindow):
     def __init__(self, cache, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
                  low_watermark=0.8):
         self.cache = cache
@@ -332,6 +334,7 @@ class Namespace(Durability):
         if size is not None:
             if not inode.is_file:
                 raise IsADirectory() if inode.is_dir else InvalidArgument()
+            self._old_content_done(inode)
             await self._with_space(lambda: self.cache.truncate(inode.data, size))
             self._content_changed(inode, now)
             if not inode.writers:
@@ -376,6 +379,7 @@ class Namespace(Durability):
         if flags & os.O_TRUNC:
             # Linux truncates on O_RDONLY|O_TRUNC too (the kernel checked write
             # permission); with atomic_o_trunc it leaves that to the filesystem.
+            self._keep_old_content(inode, fh)
             self._truncate_now(inode)
             if not writable:
                 self._schedule_seal(inode)
@@ -415,7 +419,7 @@ class Namespace(Durability):
             raise BadDescriptor() from None
 
     async def read(self, fh, off, size):
-        return await self.cache.read(self.handle(fh).inode.data, off, size)
+        return await self.cache.read(self._read_source(fh), off, size)
 
     async def write(self, fh, off, data):
         h = self.handle(fh)
@@ -428,6 +432,7 @@ class Namespace(Durability):
             kill = inode.mode & stat.S_ISUID | (inode.mode & stat.S_ISGID if inode.mode & stat.S_IXGRP else 0)
             if kill:
                 await self.setattr(inode.ino, mode=inode.mode & ~kill)
+        self._old_content_done(inode)
         new_blocks = -(-(off + len(data)) // self.block_size) - len(inode.data.blocks)
         if new_blocks > 0:
             self._charge_metadata(new_blocks * (FILE_KEY_COST + INDEX_BLOCK_COST))
@@ -444,6 +449,7 @@ class Namespace(Durability):
         if h.view:
             self.view.maybe_drop(inode)
             return
+        self._old_content_done(inode, fh)
         if h.writable:
             inode.writers -= 1
             if inode.writers == 0:
@@ -452,6 +458,7 @@ class Namespace(Durability):
 
     async def fsync(self, fh):
         h = self.handle(fh)
+        self._old_content_done(h.inode, fh)
         await self.seal(h.inode, force=True)
         await self.commit()
 

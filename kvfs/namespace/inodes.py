@@ -84,7 +84,8 @@ class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
                  "parent", "entries", "target", "data", "committed", "size_committed",
                  "content_key", "content_version", "cached_version", "content_dirty",
-                 "lookups", "opens", "writers", "sealing", "provisional", "names", "evicted")
+                 "lookups", "opens", "writers", "sealing", "provisional", "names", "evicted",
+                 "pre_truncate")
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
@@ -105,6 +106,7 @@ class Inode:
         self.provisional = False           # created, no content record yet (see module doc)
         self.names = set() if stat.S_ISREG(mode) else None   # files: {(directory ino, name)}, for eviction
         self.evicted = False               # removed by eviction: gone, even for the kernel's cached lookups
+        self.pre_truncate = None           # (old content, truncating fh): see namespace/truncation.py
 
     @property
     def is_dir(self):

@@ -295,3 +295,53 @@ def test_bad_plans_are_refused(plan):
     with pytest.raises(KvfsError, match="bad fault plan") as info:
         parse_plan(plan)
     assert info.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize("transfer", ["read", "run_read", "write"])
+def test_one_sector_short_moves_nothing_and_is_retried_within_the_window(store, transfer):
+    """A short transfer of a one-sector block moves zero bytes. With a retry window
+    (io_retry) Device retries it like a lost path's error, and the transfer
+    completes; without one it is an error at once; one that keeps failing is an
+    error once the window is over, never a hang."""
+    op = "write" if transfer == "write" else "read"
+    data = pattern(9, 17)                      # a 17-byte block: one sector on the device
+
+    def attempt(dev):
+        if transfer == "write":
+            dev.pwrite_sync(OFF, data)
+            return dev.wrapped.pread_sync(OFF, len(data))
+        dev.wrapped.pwrite_sync(OFF, data)
+        if transfer == "run_read":
+            return bytes(dev.read_blocks_sync(OFF, [len(data)], [None])[0])
+        return bytes(dev.read_block_sync(OFF, len(data)))
+
+    def faulty(plan, window):
+        return FaultyDevice(Device.open(str(store), lock=False, retry_window=window), plan)
+
+    dev = faulty([{"op": op, "effect": "short", "count": 2}], 5.0)
+    try:
+        assert attempt(dev) == data
+        assert dev.injected()["short"] == 2
+        assert dev.statistics().retries == 2
+    finally:
+        dev.close()
+
+    # (A run read that comes back short reads its blocks again one by one: two shorts.)
+    dev = faulty([{"op": op, "effect": "short", "count": 2 if transfer == "run_read" else 1}], 0.0)
+    try:
+        with pytest.raises(DeviceError, match="short device read|made no progress") as info:
+            attempt(dev)
+        assert info.value.errno == errno.EIO
+        assert dev.statistics().retries == 0
+    finally:
+        dev.close()
+
+    dev = faulty([{"op": op, "effect": "short"}], 0.3)
+    try:
+        began = time.monotonic()
+        with pytest.raises(DeviceError, match="short device read|made no progress"):
+            attempt(dev)
+        assert 0.3 <= time.monotonic() - began < 3.0
+        assert dev.statistics().retries >= 2
+    finally:
+        dev.close()
