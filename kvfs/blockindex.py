@@ -196,19 +196,12 @@ class BlockIndex:
             self.used_bytes += align_up(row.length)
 
     def snapshot(self):
-        """(BlockRows named by durable contents, extents only RAM knows about).
+        """(BlockRows named by durable contents, extents only RAM knows about), synchronously.
 
         Extents held only by pins or writes in flight are free as far as the
         checkpoint is concerned: no durable record references them.
         """
-        blocks, transient = [], []
-        for key, e in self.entries.items():
-            if e.refs:
-                blocks.append(schema.BlockRow(key, e.off, e.length, e.refs, e.domain))
-            else:
-                transient.append((e.off, e.length))
-        transient += [(off, n) for _, off, n in self._writing.values()]
-        return blocks, transient
+        return IndexCut(self).build()
 
     # -- durability: records and checkpoints pass through to the store ------
     def append_record(self, record):

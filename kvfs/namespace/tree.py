@@ -223,20 +223,10 @@ class Tree:
             self._cut.preserve_name(directory, name)
 
     def snapshot(self):
-        """The namespace's part of a CheckpointState, synchronously (fsck; checkpoints use ``cut``)."""
-        rows = []
-        for inode in self.inodes.values():
-            if inode.is_dir:
-                payload = [inode.parent, [(n, i) for n, (i, _) in inode.entries.by_name.items()]]
-            elif inode.is_file:
-                payload = [inode.size_committed, inode.committed]
-            else:
-                payload = inode.target
-            rows.append(schema.InodeRow(inode.ino, inode.mode, inode.uid, inode.gid, inode.nlink,
-                                        inode.rdev, inode.atime, inode.mtime, inode.ctime, payload))
-        return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
-                                      provisional=[i.ino for i in self.inodes.values() if i.provisional],
-                                      pinned=sorted(self.pinned))
+        """The namespace's part of a CheckpointState, synchronously (fsck; checkpoints use ``cut``).
+
+        A cut built at once, with nothing changing meanwhile, is exactly that state."""
+        return TreeCut(self).build()
 
     # -- record application (shared by live operations and replay) ----------
     def apply(self, rec):
