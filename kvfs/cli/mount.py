@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import trio
 
@@ -19,6 +18,7 @@ from ..namespace.policy import POLICIES
 from ..store import MmpSettings, mmp
 from ..store.mkfs import make_filesystem
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
+from .admin import wait_exited
 
 DEFAULT_STORE = "/var/lib/kvfs/default.kvfs"
 LOG_DIR = "/var/log/kvfs"
@@ -238,14 +238,6 @@ def _remove_dead_mount(mountpoint):
         subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, timeout=30)
 
 
-def _wait_exited(pid, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            return
-        time.sleep(0.05)
-
-
 def daemonize(work, mountpoint=None):
     """Fork; the child runs ``work(ready)`` detached, the parent waits for ready or an error."""
     rfd, wfd = os.pipe()
@@ -256,7 +248,7 @@ def daemonize(work, mountpoint=None):
             message = pipe.read().decode(errors="replace")
         if message == "ok":
             return 0
-        _wait_exited(pid, 10)                 # the daemon is going: nothing will serve the mount
+        wait_exited(pid, 10)                  # the daemon is going: nothing will serve the mount
         if mountpoint is not None:
             _remove_dead_mount(mountpoint)
         raise KvfsError(message.strip() or "the kvfs daemon exited before the mount was live")
