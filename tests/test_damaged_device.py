@@ -22,6 +22,7 @@ import pytest
 from kvfs import schema
 from kvfsmount import KvfsMount, run_tool
 from test_core_acceptance import pattern, write_file
+from unit.helpers import poke
 
 MiB = 1 << 20
 S = schema.SECTOR
@@ -43,15 +44,6 @@ def digest(path):
 def superblock(path):
     with open(path, "rb") as f:
         return schema.Superblock.decode(f.read(S))
-
-
-def poke(path, off, data):
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, data, off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def zero(path, off, n):
