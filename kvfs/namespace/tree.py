@@ -254,7 +254,6 @@ class Tree:
             inode = self._known(rec, rec.ino)
             if inode.is_dir:
                 raise FormatError(f"{rec!r:.80}: a hard link to a directory")
-            self.preserve(inode)
             self._link(self._dir_for(rec, rec.parent, rec.name, present=False), rec.name, inode, rec.ns)
             inode.nlink += 1
             inode.ctime = rec.ns
@@ -269,7 +268,6 @@ class Tree:
             dst_dir = self._dir_for(rec, rec.new_parent, rec.new_name, present=None)
             inode = self._known(rec, src_dir.entries.get(rec.old_name))
             self._check_move(rec, inode, dst_dir)
-            self.preserve(inode)
             if dst_dir.entries.get(rec.new_name) is not None:
                 self._unlink(dst_dir, rec.new_name, rec.ns)
             self._unlink(src_dir, rec.old_name, rec.ns, keep=True)
