@@ -196,11 +196,15 @@ class ReadSide:
         except KvfsError as exc:
             log.debug("prefetch of %d block(s) failed: %s (the reader will see it)", len(run), exc)
         finally:
-            for key in run:
-                if self._reading.get(key) is done:
-                    del self._reading[key]
-            done.set()
+            self._release_claims(run, done)
             self._read_slots.release()
+
+    def _release_claims(self, run, done):
+        """Let go of ``run``'s claims made with ``done`` (not claims others made since), wake waiters."""
+        for key in run:
+            if self._reading.get(key) is done:
+                del self._reading[key]
+        done.set()
 
     async def _fetch_run(self, run, done=None):
         """Read ``run`` with one hand-off; its blocks are claimed with ``done`` (new if None)."""
@@ -227,10 +231,7 @@ class ReadSide:
             for key in run:
                 self.index.unpin(key)
             if own:
-                for key in run:
-                    if self._reading.get(key) is done:
-                        del self._reading[key]
-                done.set()
+                self._release_claims(run, done)
         for key, data in zip(run, results):
             # A corrupt block: its reader gets EIO itself. A block freed meanwhile: nobody wants it.
             if not isinstance(data, Exception) and key in self.index.entries:
