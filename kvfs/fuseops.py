@@ -90,7 +90,10 @@ class KvfsOperations(pyfuse3.Operations):
         e.st_size = inode.size
         e.st_blksize = self.ns.block_size
         e.st_blocks = (inode.size + 511) // 512
-        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, inode.mtime, inode.ctime
+        mtime, held_back = self.ns.mtime_for_kernel(inode)
+        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, mtime, inode.ctime
+        if held_back:
+            e.attr_timeout = 0               # so the close shows the real mtime (namespace/pagecache.py)
         if ino & VIEW_BIT:
             # Who may see a view entry depends on the caller, but the kernel's dentry
             # cache is shared by all: make it ask again on every path walk.

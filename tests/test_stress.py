@@ -95,13 +95,8 @@ def abort_connection(fs, conn):
     fs.kill9()
 
 
-# An open defect this test finds (see the stress2 branch's report); remove the mark once fixed.
-WRITE_BOUNDARY_MIX = ("a buffered read can get a page whose bytes below a write-chunk boundary of an "
-                      "O_TRUNC rewrite are the previous content's and above it the new one's")
-
-
 @pytest.mark.parametrize("faulty, seconds", [
-    pytest.param(False, 90, id="plain", marks=pytest.mark.xfail(reason=WRITE_BOUNDARY_MIX, strict=False)),
+    pytest.param(False, 90, id="plain"),
     pytest.param(True, 60, id="faults"),
 ])
 def test_stress(kvfs_factory, faulty, seconds):

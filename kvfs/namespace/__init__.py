@@ -26,6 +26,7 @@ from .eviction import Admin, Evictor
 from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO,
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
+from .pagecache import KernelPages
 from .tree import Tree
 from .truncation import TruncationWindow
 from .view import ByHashView
@@ -62,7 +63,7 @@ class NamespaceStatistics:
     checkpoint_rows_saved_on_loop: int   # inode rows saved on the loop because a change came first
 
 
-class Namespace(Durability, TruncationWindow):
+class Namespace(Durability, KernelPages, TruncationWindow):
     def __init__(self, cache, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
                  low_watermark=0.8):
         self.cache = cache
@@ -346,6 +347,7 @@ class Namespace(Durability, TruncationWindow):
                                     inode.uid if uid is None else uid, inode.gid if gid is None else gid,
                                     inode.atime if atime is None else atime,
                                     inode.mtime if mtime is None else mtime, now))
+        inode.kernel_mtime = inode.mtime       # a setattr reply shows the real mtime (namespace/pagecache.py)
 
     # -- file data ------------------------------------------------------------
     def open(self, ino, flags, *, privileged=True):
@@ -371,8 +373,9 @@ class Namespace(Durability, TruncationWindow):
             # The inode number names this one content for the life of the mount,
             # so whatever the kernel has cached for it is always right.
             return fh, False, True
-        direct_io = (flags & os.O_ACCMODE) == os.O_WRONLY
-        self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged)
+        direct_io, page_writer, keep = self._page_cache_mode(inode, flags, writable)
+        self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged,
+                                  page_writer=page_writer)
         inode.opens += 1
         if writable:
             inode.writers += 1
@@ -384,17 +387,7 @@ class Namespace(Durability, TruncationWindow):
             if not writable:
                 self._schedule_seal(inode)
         if direct_io:
-            # A write-only descriptor cannot be mmapped, so it bypasses the page
-            # cache: the engines' one big write() goes to the daemon as 1 MiB
-            # requests without a copy into kernel pages. (The kernel invalidates
-            # cached pages of the range on each direct_io write.)
-            return fh, True, False
-        # Everything else uses the page cache, so MAP_SHARED mmap works on every
-        # file (numpy.memmap, torch.load(mmap=True), safetensors). Writes through
-        # it keep the kernel's pages current; pages are kept across opens only
-        # while nobody has written since they were cached.
-        keep = not writable and not inode.writers and inode.cached_version == inode.content_version
-        inode.cached_version = inode.content_version
+            return fh, True, keep
         if not writable:
             self.evictor.accessed(inode)
             self.cache.prefetch(inode.data)
@@ -433,6 +426,7 @@ class Namespace(Durability, TruncationWindow):
             if kill:
                 await self.setattr(inode.ino, mode=inode.mode & ~kill)
         self._old_content_done(inode)
+        self._page_cache_written(h)
         new_blocks = -(-(off + len(data)) // self.block_size) - len(inode.data.blocks)
         if new_blocks > 0:
             self._charge_metadata(new_blocks * (FILE_KEY_COST + INDEX_BLOCK_COST))
@@ -450,6 +444,7 @@ class Namespace(Durability, TruncationWindow):
             self.view.maybe_drop(inode)
             return
         self._old_content_done(inode, fh)
+        self._page_cache_closed(h)
         if h.writable:
             inode.writers -= 1
             if inode.writers == 0:

@@ -85,7 +85,7 @@ class Inode:
                  "parent", "entries", "target", "data", "committed", "size_committed",
                  "content_key", "content_version", "cached_version", "content_dirty",
                  "lookups", "opens", "writers", "sealing", "provisional", "names", "evicted",
-                 "pre_truncate")
+                 "pre_truncate", "page_writers", "direct_writes_under_page_writers", "kernel_mtime")
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
@@ -102,6 +102,9 @@ class Inode:
         self.cached_version = -1           # content version the kernel page cache holds
         self.content_dirty = False         # live content differs from the durable record
         self.lookups = self.opens = self.writers = 0
+        self.page_writers = 0              # open writers through the page cache (see namespace/pagecache.py)
+        self.direct_writes_under_page_writers = False
+        self.kernel_mtime = None           # the mtime last put in an attribute reply (None: not yet)
         self.sealing = False
         self.provisional = False           # created, no content record yet (see module doc)
         self.names = set() if stat.S_ISREG(mode) else None   # files: {(directory ino, name)}, for eviction
@@ -156,3 +159,4 @@ class Handle:
     writable: bool
     view: bool = False
     kill_suid: bool = False      # a direct_io writer without CAP_FSETID: its writes drop set-ID bits
+    page_writer: bool = False    # writes through the kernel's page cache (not direct_io)
