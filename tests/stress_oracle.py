@@ -38,9 +38,12 @@ What a read may return (``History.check_read``)
       read copies page by page, and an O_TRUNC truncates the page cache under
       it), a read may switch from one of those states to another at a 4 KiB
       page boundary, or where one of the states ends: an O_DIRECT read of a
-      page-cache file that comes back short at the old EOF goes on through
-      the page cache once the file has grown (generic_file_read_iter's
-      fallback), so O_DIRECT reads get the same rule. Every piece between
+      page-cache file that comes back short at the end of the state it met
+      (the old content's end, or the end of a prefix of the new content:
+      wherever the writer's last WRITE had reached) goes on through the page
+      cache once the file has grown (generic_file_read_iter's fallback), so an
+      O_DIRECT read may also switch where its first part, read from offset 0,
+      stops being a prefix of a content being written. Every piece between
       those split points must be the bytes, at that offset, of one content
       the object held (the last piece may end early: a prefix, or EOF after a
       truncation). Never bytes from no content, never a piece mixing two
@@ -187,7 +190,10 @@ class History:
             rewritten = any(kind == "rewrite" for kind, _ in values)
             if rewritten:
                 targets = {spec for k, spec in values if k == "rewrite"}
-                problem = _piecewise(data, specs, PAGE, prefix_states=targets if kind == "mmap" else None)
+                # Where an O_DIRECT read's direct part may have stopped (see the module doc).
+                direct_ends = {_prefix_length(data, content(*t)) for t in targets} if kind == "O_DIRECT" else ()
+                problem = _piecewise(data, specs, PAGE, prefix_states=targets if kind == "mmap" else None,
+                                     extra_cuts=direct_ends)
                 if problem is None:
                     return
             else:
@@ -210,10 +216,11 @@ def _first_difference(data, specs):
             f"{describe(want, first)}, got {describe(data, first)}")
 
 
-def _piecewise(data, specs, granule, *, prefix_states=None):
+def _piecewise(data, specs, granule, *, prefix_states=None, extra_cuts=()):
     """None if every piece of ``data`` between split points is one content's bytes
     there, else why not. Split points: every ``granule`` boundary, and the end of
-    each content (where a read that met a state's EOF went on after the file grew).
+    each content (where a read that met a state's EOF went on after the file grew),
+    and ``extra_cuts``.
     ``prefix_states`` (a mapping; the contents whose every prefix was a state): a
     piece may also be zeros past the end of a state: the bytes there of one
     content up to its end (or anywhere, for those in ``prefix_states``), or
@@ -222,7 +229,7 @@ def _piecewise(data, specs, granule, *, prefix_states=None):
     if len(data) > longest:
         return f"{len(data)} bytes, longer than every state ({longest})"
     ends = {len(content(*s)) for s in specs}
-    cuts = sorted(set(range(0, len(data), granule)) | {n for n in ends if 0 < n < len(data)})
+    cuts = sorted(set(range(0, len(data), granule)) | {n for n in (*ends, *extra_cuts) if 0 < n < len(data)})
     for off, stop in zip(cuts, cuts[1:] + [len(data)]):
         piece = data[off:stop]
         if any(content(*s)[off:off + len(piece)] == piece for s in specs):
@@ -236,6 +243,18 @@ def _piecewise(data, specs, granule, *, prefix_states=None):
         return (f"the piece [{off}, {stop}) is from no state: got "
                 f"{describe(data, off)}; expected one of {candidates}")
     return None
+
+
+def _prefix_length(a, b):
+    """The length of the common prefix of ``a`` and ``b``, by bisection (whole-slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _common(a, b):

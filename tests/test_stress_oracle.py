@@ -38,6 +38,19 @@ def test_read_never_returns_zeros_past_the_end(rewritten, kind):
     check(rewritten, content(*NEW), kind)
 
 
+def test_an_o_direct_read_may_go_on_through_the_page_cache_where_a_prefix_ended(rewritten):
+    # The direct part met the file while the new content's writes had reached
+    # 5000 bytes; the rest came through the page cache after the old content
+    # had been put back (here: any later state). Not at a page boundary, so
+    # only an O_DIRECT read may do it.
+    data = content(*NEW)[:5000] + content(*OLD)[5000:]
+    check(rewritten, data, "O_DIRECT")
+    with pytest.raises(Violation, match=r"the piece \[4096, 8192\) is from no state"):
+        check(rewritten, data, "buffered")
+    with pytest.raises(Violation):                       # the direct part must be a prefix from offset 0
+        check(rewritten, content(*OLD)[:100] + content(*NEW)[100:5000] + content(*OLD)[5000:], "O_DIRECT")
+
+
 @pytest.mark.parametrize("data", [
     content(*OLD)[:9000] + bytes(OLD[1] - 9000),         # the old content never ended at 9000
     content(*NEW)[:4200] + content(*OLD)[4200:4300] + bytes(OLD[1] - 4300),   # a mix within a page
