@@ -27,6 +27,11 @@ CONTROL_XATTR = b"user.kvfs.control"
 RESULT_XATTR = b"user.kvfs.result"     # what the caller's last control command answered
 ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
+# Attributes that hold back a page-cache writer's mtime (kvfs/namespace/pagecache.py)
+# go stale this soon, so a stat() that soon after the close shows the real mtime;
+# not 0, because with auto_inval_data every read() of a file with stale attributes
+# costs a GETATTR round trip first.
+HELD_BACK_ATTR_TIMEOUT = 0.1
 DOT_ENTRIES = 2             # "." and ".." lead every listing
 STATFS_BSIZE = 4096          # LMCache uses O_DIRECT only if f_bsize divides its chunk size
 BY_HASH_POLICIES = ("root", "owner")
@@ -93,7 +98,7 @@ class KvfsOperations(pyfuse3.Operations):
         mtime, held_back = self.ns.mtime_for_kernel(inode)
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, mtime, inode.ctime
         if held_back:
-            e.attr_timeout = 0               # so the close shows the real mtime (namespace/pagecache.py)
+            e.attr_timeout = HELD_BACK_ATTR_TIMEOUT
         if ino & VIEW_BIT:
             # Who may see a view entry depends on the caller, but the kernel's dentry
             # cache is shared by all: make it ask again on every path walk.

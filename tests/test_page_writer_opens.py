@@ -7,7 +7,7 @@ keep_cache, or a GETATTR reply with a new mtime under auto_inval_data) lets a
 reader cache the daemon's older bytes for good: tests/test_stress.py saw
 zeros after a write boundary of a chunked O_TRUNC rewrite. So while such a
 writer is open, opens keep the pages and stat() shows the mtime the kernel
-already had, and the first stat() after the close shows the real one
+already had, and within 0.1 s of the close the real one
 (kvfs/namespace/pagecache.py). These checks go through a real mount; the
 race itself is what the stress test and tests/repro_otrunc_mix.py hunt.
 """

@@ -31,8 +31,8 @@ So while a page-cache writer has the file open (and nothing else writes it):
   pages for those). So stat() of a file that is open for writing through the
   page cache may show an mtime from before its last setattr until the close,
   as on NFS (close-to-open). Attributes that hold the mtime back go out with
-  attr_timeout 0, so the first stat() after the close shows the real one
-  (tests/test_page_writer_opens.py).
+  a 0.1 s attr_timeout, so a stat() that long after the close shows the real
+  one (tests/test_page_writer_opens.py).
 
 A direct_io write while a page-cache writer is open (two writers of one file
 at once, or a descriptor opened O_RDWR only to fsync) ends that until the
