@@ -10,11 +10,12 @@ reader reads the whole file with read() calls of 64 KiB; every 4 KiB page it get
 must be, piece by piece, the bytes of one of the three contents at that offset,
 cut only where one of the contents ends or where one read() call ended (a later
 call may see a later state: that is POSIX). Zeros and a mix within one call's
-page are the defect. Before kvfs/namespace/pagecache.py it met about one per
-60,000 reads: a page-cache writer's pages dropped (by another open, or by a
-GETATTR reply with a new mtime) between its copy into them and its WRITE, and a
-reader caching the daemon's older bytes in their place. After it: one in
-818,143 reads (400 s and 700 s), by windows kvfs cannot close from the daemon.
+page are the defect. Before kvfs/namespace/pagecache.py it met two in 212,187
+reads (three runs): a page-cache writer's pages dropped (by another open, or by
+a GETATTR reply with a new mtime) between its copy into them and its WRITE, and
+a reader caching the daemon's older bytes in their place. With only the open
+half of the fix, one in 560,808 (the GETATTR drop); with all of it, one in
+818,143 (400 s and 700 s), by windows kvfs cannot close from the daemon.
 See docs/reliability.md, "Concurrency", "What is left".
 """
 import os, sys, threading, time, tempfile, random
