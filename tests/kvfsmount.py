@@ -27,6 +27,15 @@ MOUNT_FIXTURES = ("kvfs", "kvfs_factory", "shared_kvfs")
 TEST_MMP_INTERVAL = 0.25
 
 
+def write_new(path, data):
+    """Create or truncate ``path`` and write ``data`` with one write(), which must take all of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        assert os.write(fd, data) == len(data)
+    finally:
+        os.close(fd)
+
+
 def slow_writes(seconds):
     """A fault plan for a slow device: every device write takes ``seconds`` longer."""
     return [{"op": "write", "effect": "delay", "seconds": seconds}]

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from kvfsmount import slow_writes
+from kvfsmount import slow_writes, write_new
 
 BS = 64 * 1024
 PAGE = 4096
@@ -65,14 +65,6 @@ def describe(got, want):
             f"{got[first:first + 8].hex()} instead of {want[first:first + 8].hex()}")
 
 
-def put(path, data):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        assert os.write(fd, data) == len(data)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("case", ["overwrite", "append"])
 def test_page_cache_never_keeps_pages_from_before_a_direct_io_write(kvfs_factory, case):
     fs = kvfs_factory(size="1G", block_size="64K", faults=[],
@@ -81,7 +73,7 @@ def test_page_cache_never_keeps_pages_from_before_a_direct_io_write(kvfs_factory
     fs.mount()
     f, filler = fs.mnt / "f", fs.mnt / "filler"
     old = pattern(1, 3 * PAGE + 100)                  # the last page holds 100 bytes
-    put(f, old)
+    write_new(f, old)
     fs.flush()
     if case == "overwrite":
         at, new = PAGE, pattern(2, PAGE)              # page 1, inside the file
@@ -92,7 +84,7 @@ def test_page_cache_never_keeps_pages_from_before_a_direct_io_write(kvfs_factory
     mapped = Mapping(reader, 4 * PAGE)
     try:
         fs.set_faults(slow_writes(1.5))
-        put(filler, pattern(4, 2 * BS))               # the dirty limit is now full for ~1.5 s
+        write_new(filler, pattern(4, 2 * BS))           # the dirty limit is now full for ~1.5 s
         done = threading.Event()
 
         def write():
@@ -132,12 +124,12 @@ def test_a_mapping_reads_zeros_past_the_end_of_a_file_shrunk_under_it(kvfs):
     size). kvfs serves only the file's bytes; the zeros are the kernel's."""
     f = kvfs.mnt / "f"
     old, new = pattern(5, 3 * PAGE - 43), pattern(6, 2 * PAGE + 81)     # the same last page
-    put(f, old)
+    write_new(f, old)
     fd = os.open(f, os.O_RDONLY)
     mapped = Mapping(fd, len(old))
     try:
         assert mapped[0:len(old)] == old
-        put(f, new)                                 # O_TRUNC, then the new content
+        write_new(f, new)                             # O_TRUNC, then the new content
         assert mapped[0:len(old)] == new + bytes(len(old) - len(new))
     finally:
         mapped.close()

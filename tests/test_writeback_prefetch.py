@@ -7,18 +7,10 @@ import hashlib
 import os
 import signal
 
-from kvfsmount import slow_writes
+from kvfsmount import slow_writes, write_new
 from threads import run_in_threads
 
 MiB = 1 << 20
-
-
-def write(path, data):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        assert os.write(fd, data) == len(data)
-    finally:
-        os.close(fd)
 
 
 def drop_kernel_cache():
@@ -32,7 +24,7 @@ def test_close_returns_while_dirty_and_dirty_reads_are_right(kvfs_factory):
     fs.mkfs()
     fs.mount()
     data = os.urandom(8 * MiB + 123)
-    write(fs.mnt / "chunk", data)                  # returns although the device is slow
+    write_new(fs.mnt / "chunk", data)              # returns although the device is slow
     stats = fs.stats()
     assert stats["dirty_bytes"] > 0, stats
     assert stats["flush_backlog_bytes"] > 0
@@ -54,7 +46,7 @@ def test_fsync_then_kill9_keeps_data(kvfs_factory):
     os.write(fd, data)
     os.fsync(fd)
     os.close(fd)
-    write(fs.mnt / "not-fsynced", os.urandom(3 * MiB))   # may or may not survive; never torn
+    write_new(fs.mnt / "not-fsynced", os.urandom(3 * MiB))   # may or may not survive; never torn
     fs.kill9()
     fs.mount()
     assert (fs.mnt / "durable").read_bytes() == data
@@ -73,7 +65,7 @@ def test_back_pressure_bounds_dirty_bytes(kvfs_factory):
     def writer(i):
         data = os.urandom(16 * MiB)
         digests[i] = hashlib.sha256(data).hexdigest()
-        write(fs.mnt / f"w{i}", data)
+        write_new(fs.mnt / f"w{i}", data)
 
     run_in_threads(writer, range(4))                # re-raises a writer's failure here
     fs.flush()
@@ -87,7 +79,7 @@ def test_back_pressure_bounds_dirty_bytes(kvfs_factory):
 
 def test_cold_read_is_prefetched_in_parallel(kvfs):
     data = os.urandom(32 * MiB)
-    write(kvfs.mnt / "chunk.pt", data)
+    write_new(kvfs.mnt / "chunk.pt", data)
     stats = kvfs.stats()
     # One write() of 32 MiB arrives as 1 MiB requests (one more when the buffer is not page aligned).
     assert stats["write_requests"] <= 33
@@ -105,7 +97,7 @@ def test_cold_read_is_prefetched_in_parallel(kvfs):
 
 def test_concurrent_readers_share_one_prefetch(kvfs):
     data = os.urandom(32 * MiB + 5)
-    write(kvfs.mnt / "shared", data)
+    write_new(kvfs.mnt / "shared", data)
     kvfs.remount()
     drop_kernel_cache()
 
@@ -127,7 +119,7 @@ def test_concurrent_readers_share_one_prefetch(kvfs):
 
 def test_hot_reads_skip_the_daemon_and_drop_caches_empties(kvfs):
     data = os.urandom(16 * MiB)
-    write(kvfs.mnt / "hot", data)
+    write_new(kvfs.mnt / "hot", data)
     kvfs.flush()
     assert (kvfs.mnt / "hot").read_bytes() == data      # first read: through the daemon
     before = kvfs.stats()
@@ -141,7 +133,7 @@ def test_hot_reads_skip_the_daemon_and_drop_caches_empties(kvfs):
     assert kvfs.stats()["cache_bytes"] == 0
     # A changed file is not served from stale pages.
     new = os.urandom(16 * MiB)
-    write(kvfs.mnt / "hot", new)
+    write_new(kvfs.mnt / "hot", new)
     assert (kvfs.mnt / "hot").read_bytes() == new
     for key in ("cache_hits", "cache_misses", "read_bytes_per_s", "write_bytes_per_s",
                 "flush_backlog_bytes", "prefetch_inflight_max"):
@@ -153,7 +145,7 @@ def test_sigterm_flushes_before_exit(kvfs_factory):
     fs.mkfs()
     fs.mount()
     data = os.urandom(6 * MiB)
-    write(fs.mnt / "pending", data)
+    write_new(fs.mnt / "pending", data)
     assert fs.stats()["dirty_bytes"] > 0
     os.kill(fs.pid, signal.SIGTERM)
     fs.wait_daemon_exit(fs.pid)
