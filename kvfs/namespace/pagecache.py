@@ -79,7 +79,7 @@ class KernelPages:
 
     def mtime_for_kernel(self, inode):
         """(mtime, held back) for an attribute reply (see the module doc)."""
-        if self._shielded(inode) and inode.kernel_mtime is not None:
+        if self._shielded(inode):              # the first page-cache writer's open set kernel_mtime
             return inode.kernel_mtime, inode.kernel_mtime != inode.mtime
         inode.kernel_mtime = inode.mtime
         return inode.mtime, False
