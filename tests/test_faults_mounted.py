@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from test_writeback_prefetch import write      # one write() that must move every byte
+from kvfsmount import write_new      # one write() that must move every byte
 
 MiB = 1 << 20
 
@@ -32,9 +32,9 @@ def two_files(fs):
     """
     start = data_region(fs)
     victim, other = os.urandom(3 * MiB), os.urandom(3 * MiB)
-    write(fs.mnt / "victim", victim)
+    write_new(fs.mnt / "victim", victim)
     fs.flush()                                   # allocated from the start of the data region
-    write(fs.mnt / "other", other)
+    write_new(fs.mnt / "other", other)
     fs.flush()
     return victim, other, [start, start + len(victim)]
 
@@ -45,7 +45,7 @@ def test_slow_device_keeps_close_at_memory_speed(kvfs_factory):
     fs.mount()
     data = os.urandom(8 * MiB + 123)
     t0 = time.monotonic()
-    write(fs.mnt / "chunk", data)                # 9 blocks, each 1.5 s to the device
+    write_new(fs.mnt / "chunk", data)            # 9 blocks, each 1.5 s to the device
     elapsed = time.monotonic() - t0
     stats = fs.stats()
     assert elapsed < 1.5, f"close waited for the device: {elapsed:.2f} s"
@@ -79,7 +79,7 @@ def test_bad_reads_give_eio_never_wrong_bytes(kvfs_factory, effect):
     finally:
         os.close(fd)
     assert (fs.mnt / "other").read_bytes() == other            # the daemon serves the rest
-    write(fs.mnt / "new", b"still writable")
+    write_new(fs.mnt / "new", b"still writable")
     assert (fs.mnt / "new").read_bytes() == b"still writable"
     stats = fs.stats()
     assert stats["faults_injected"][effect] >= 3, stats["faults_injected"]

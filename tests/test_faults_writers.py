@@ -23,8 +23,9 @@ import pytest
 
 from kvfs.device import Device
 from kvfs.store import read_superblock
+from kvfsmount import write_new
 from test_faults_mounted import data_region, two_files
-from test_writeback_prefetch import drop_kernel_cache, write
+from test_writeback_prefetch import drop_kernel_cache
 
 MiB = 1 << 20
 FLUSH_FAILED = r"kvfs\.blockcache\.writeback: flushing a block failed"
@@ -280,7 +281,7 @@ def test_a_background_flush_that_fails_after_close_reaches_fsync_and_readers(kvf
     fs.remount()
     assert (fs.mnt / "f").read_bytes() == old          # the last fsynced content: new was never durable
     assert (fs.mnt / "bystander").read_bytes() == bystander
-    write(fs.mnt / "f", new)
+    write_new(fs.mnt / "f", new)
     fs.flush()
     assert (fs.mnt / "f").read_bytes() == new
 
