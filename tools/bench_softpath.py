@@ -98,6 +98,16 @@ class Side:
         if self.kvfs_mnt:
             bl.kvfs_drop_caches(self.kvfs_mnt)
 
+    # kvfs counters reported per figure: what one pass cost the daemon in
+    # FUSE requests, worker-thread hand-offs and device reads.
+    KVFS_COUNTERS = ("read_requests", "read_handoffs", "blocks_fetched", "cache_hits")
+
+    def counters(self):
+        if not self.kvfs_mnt:
+            return {}
+        stats = bl.kvfs_stats(self.kvfs_mnt)
+        return {name: stats.get(name, 0) for name in self.KVFS_COUNTERS}
+
     def device_bytes_read(self):
         if self.kvfs_mnt:
             return bl.kvfs_stats(self.kvfs_mnt)["device_bytes_read"]
@@ -183,12 +193,13 @@ def run_side(side, contents, expected, buffers, file_bytes):
                 side.drop_caches()
             for buf in buffers:
                 bl.zero_buffer(buf)  # a read that writes nothing must not pass
-            device_before = side.device_bytes_read()
+            device_before, counters_before = side.device_bytes_read(), side.counters()
             timing, nbytes = read_pass(paths, buffers, file_bytes, threads, odirect)
             device_bytes = side.device_bytes_read() - device_before
+            counters = {k: v - counters_before[k] for k, v in side.counters().items()}
             checked = verify(paths, buffers, file_bytes, expected)
             result[name] = figure(timing, nbytes, total, files_verified=checked,
-                                  device_bytes_read=device_bytes)
+                                  device_bytes_read=device_bytes, **counters)
             if temperature == "cold" and device_bytes < nbytes:
                 raise ColdCheckFailed(
                     f"{side.name} {name}: the device delivered {device_bytes} bytes for {nbytes} "
