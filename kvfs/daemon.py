@@ -20,6 +20,7 @@ import trio
 
 from .errors import Fenced, InvalidArgument, KvfsError
 from .fuseops import KvfsOperations
+from .gcpolicy import FreezeAfterFullCollections
 from .metrics import MetricsServer
 from .opsstats import OpsStats
 from .sdnotify import Notifier
@@ -87,9 +88,15 @@ class Daemon:
         fs.mountpoint = self.mountpoint
         self._nursery = None
         self._stopping = False
+        self._gc = FreezeAfterFullCollections()
 
     def stats(self):
-        return self._ops_stats.extend(self.fs.stats())
+        stats = self._ops_stats.extend(self.fs.stats())
+        gc_stats = self._gc.statistics()
+        stats["gc_full_collections"] = gc_stats.full_collections
+        stats["gc_full_collection_max_ms"] = round(gc_stats.full_collection_max_s * 1000, 3)
+        stats["gc_frozen_objects"] = gc_stats.frozen_objects
+        return stats
 
     async def command(self, text):
         """Run an admin command; returns a JSON-able result for the caller (or None)."""
@@ -136,6 +143,7 @@ class Daemon:
 
     async def serve(self, ready=lambda: None):
         tune_malloc()
+        self._gc.install()              # the loaded namespace is frozen: see kvfs/gcpolicy.py
         self._start_ops()
         fuse_options = set(pyfuse3.default_options)       # default_permissions
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
@@ -178,6 +186,7 @@ class Daemon:
             if not unmounted:
                 pyfuse3.close(unmount=True)
             self._end_ops()
+            self._gc.uninstall()
 
     async def _after_mount(self, ready):
         # Runs once pyfuse3.main is serving: stat() of the mountpoint needs the daemon.

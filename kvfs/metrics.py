@@ -81,6 +81,12 @@ METRICS = {
     "checkpoint_rows_saved_on_loop": ("kvfs_checkpoint_rows_saved_on_loop_total", COUNTER,
                                       "Checkpoint inode rows saved on the event loop because a change came first."),
     "rss_bytes": ("kvfs_daemon_rss_bytes", GAUGE, "Resident memory of the kvfs daemon."),
+    "gc_full_collections": ("kvfs_gc_full_collections_total", COUNTER,
+                            "Full (generation-2) Python garbage collections in the daemon."),
+    "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,
+                                  "Longest full garbage collection (ms): it stopped every FUSE request."),
+    "gc_frozen_objects": ("kvfs_gc_frozen_objects", GAUGE,
+                          "Objects the daemon has frozen out of garbage collection (kvfs/gcpolicy.py)."),
     "buffer_bytes": ("kvfs_buffer_bytes", GAUGE,
                      "RAM in block buffers (clean, dirty, and spare ones kept for reuse); the rest of the "
                      "daemon's RSS is code and metadata."),

@@ -51,5 +51,11 @@ def test_memory_and_metadata_stay_flat_as_files_come_and_go(kvfs):
     grown = (after["rss_bytes"] - after["buffer_bytes"]) - (before["rss_bytes"] - before["buffer_bytes"])
     # 9,000 files came and went after the warm-up: a leak of 1 KiB per file would be 9 MiB.
     assert grown < 6 << 20, f"daemon RSS less buffers grew by {grown} bytes over {ROUNDS * FILES} files"
+    # The daemon freezes the survivors of full collections (kvfs/gcpolicy.py):
+    # frozen objects that die by reference count must leave, or the frozen
+    # count would grow with every file that came and went.
+    frozen = after["gc_frozen_objects"] - before["gc_frozen_objects"]
+    assert before["gc_frozen_objects"] > 0, before
+    assert frozen < 3_000, f"{frozen} more frozen objects after {ROUNDS * FILES} files came and went"
     kvfs.umount()
     kvfs.assert_fsck_clean()
