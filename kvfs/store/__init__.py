@@ -36,6 +36,7 @@ from ..crashpoints import crashpoint, die, reached
 from ..errors import Busy, DeviceFailed, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from . import mmp as mmp_protocol
 from .allocator import Allocator
+from .encoding import packb_in_pieces
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
 from .mmp import MmpSettings
@@ -371,7 +372,7 @@ class ExtentStore:
             free = Allocator(self.sb.data_off, self.sb.data_len, Allocator.extents_of(cut.free_map))
             for off, n in [*transient, *cut.pending_frees, *cut.releasing]:
                 free.free(off, n)
-            return msgpack.packb(dataclasses.replace(state, free=free.extents()).to_wire())
+            return packb_in_pieces(dataclasses.replace(state, free=free.extents()).to_wire())
 
         payload = await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
         if schema.SECTOR + len(payload) > self.sb.checkpoint_len:

@@ -1,0 +1,34 @@
+"""kvfs.store.encoding: a checkpoint packed in pieces is byte for byte msgpack.packb's, and decodes back."""
+import random
+
+import msgpack
+
+from kvfs.store.encoding import SPLIT_LISTS_LONGER_THAN, packb_in_pieces
+
+
+def sample_wire(rng, inodes):
+    return {
+        "next_ino": 16 + inodes,
+        "inodes": [[16 + i, 0o100644, 0, 0, 1, 0, rng.getrandbits(62), rng.getrandbits(62), rng.getrandbits(62),
+                    rng.randrange(1 << 40), [[rng.randbytes(16), rng.randrange(1 << 40), 1 << 20]] * rng.randrange(3),
+                    None, [[1, rng.randbytes(rng.randrange(1, 60))]]]
+                   for i in range(inodes)],
+        "blocks": [[rng.randbytes(16), rng.randrange(1 << 40), rng.randrange(1, 1 << 20), 1]
+                   for _ in range(inodes // 2)],
+        "free": [[rng.randrange(1 << 40), 4096]] * 3,
+        "note": "text and bytes differ in msgpack",
+        "blob": b"\x00\xff",
+    }
+
+
+def test_pieces_equal_packb_and_decode_back():
+    rng = random.Random(7)
+    for inodes in (0, 1, SPLIT_LISTS_LONGER_THAN, SPLIT_LISTS_LONGER_THAN + 1, 5000):
+        wire = sample_wire(rng, inodes)
+        packed = packb_in_pieces(wire)
+        assert packed == msgpack.packb(wire), inodes
+        assert msgpack.unpackb(packed) == msgpack.unpackb(msgpack.packb(wire))
+
+
+def test_an_empty_checkpoint():
+    assert packb_in_pieces({}) == msgpack.packb({})
