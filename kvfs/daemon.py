@@ -89,6 +89,7 @@ class Daemon:
         self._nursery = None
         self._stopping = False
         self._gc = FreezeAfterFullCollections()
+        self._commands_running = 0
 
     def stats(self):
         stats = self._ops_stats.extend(self.fs.stats())
@@ -96,10 +97,18 @@ class Daemon:
         stats["gc_full_collections"] = gc_stats.full_collections
         stats["gc_full_collection_max_ms"] = round(gc_stats.full_collection_max_s * 1000, 3)
         stats["gc_frozen_objects"] = gc_stats.frozen_objects
+        stats["control_commands_running"] = self._commands_running
         return stats
 
     async def command(self, text):
         """Run an admin command; returns a JSON-able result for the caller (or None)."""
+        self._commands_running += 1
+        try:
+            return await self._command(text)
+        finally:
+            self._commands_running -= 1
+
+    async def _command(self, text):
         name, _, arg = text.partition(" ")
         try:
             args = json.loads(arg) if arg else {}

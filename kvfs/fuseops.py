@@ -16,7 +16,7 @@ import pyfuse3
 
 from .errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
                      NotSupported)
-from .namespace import BY_HASH_INO, KEY_XATTR, NAME_MAX, ROOT_INO, VIEW_BIT
+from .namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,10 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def setxattr(self, inode, name, value, ctx):
-        if inode == ROOT_INO and name == CONTROL_XATTR:
+        # On /.kvfs as well as on the root: the kernel holds the inode lock of
+        # the one it names for the whole command, and on the root that stalls
+        # every lookup and create there (kvfs-admin sends to /.kvfs).
+        if inode in (ROOT_INO, META_DIR_INO) and name == CONTROL_XATTR:
             if not self._privileged(ctx):
                 raise NotPermitted("kvfs control commands need root or the mount's owner")
             result = await self.control.command(bytes(value).decode("utf-8", "replace"))

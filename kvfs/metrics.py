@@ -81,6 +81,8 @@ METRICS = {
     "checkpoint_rows_saved_on_loop": ("kvfs_checkpoint_rows_saved_on_loop_total", COUNTER,
                                       "Checkpoint inode rows saved on the event loop because a change came first."),
     "rss_bytes": ("kvfs_daemon_rss_bytes", GAUGE, "Resident memory of the kvfs daemon."),
+    "control_commands_running": ("kvfs_control_commands_running", GAUGE,
+                                 "kvfs-admin commands (flush, checkpoint, evict, ...) the daemon is running."),
     "gc_full_collections": ("kvfs_gc_full_collections_total", COUNTER,
                             "Full (generation-2) Python garbage collections in the daemon."),
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,

@@ -207,3 +207,35 @@ def test_bad_input_gets_one_line(args, message):
     first = proc.stderr.splitlines()[0]
     assert message in first, proc.stderr
     assert len(proc.stderr.splitlines()) <= 2            # usage errors add "(see kvfs-admin --help)"
+
+
+def test_a_slow_command_does_not_hold_up_lookups_and_creates_in_the_root(kvfs_factory):
+    """kvfs-admin sends its commands to /.kvfs. The kernel holds the lock of the inode a
+    setxattr names until the daemon answers, and a flush to a slow device takes seconds:
+    sent to the root, it held up every lookup and create there, where engines keep their
+    chunk files (the metadata benchmark's probe waited out whole checkpoints)."""
+    from kvfsmount import write_new
+    fs = kvfs_factory(faults=[{"op": "write", "effect": "delay", "seconds": 4.0}])
+    fs.mkfs()
+    fs.mount()
+    write_new(fs.mnt / "chunk", os.urandom(MiB))         # its write-back takes 4 s
+    flusher = threading.Thread(target=admin, args=("flush", fs.mnt))
+    flusher.start()
+    try:
+        deadline = time.monotonic() + 30
+        while fs.stats()["control_commands_running"] == 0:   # stats come from a getxattr: no lock
+            assert time.monotonic() < deadline, "the flush command never reached the daemon"
+            time.sleep(0.05)
+        with pytest.raises(FileNotFoundError):
+            os.stat(fs.mnt / "not-cached-yet")               # a lookup in the root
+        write_new(fs.mnt / "new-chunk", b"n" * 4096)         # a create in the root
+        # Both finished while the flush command was still running.
+        assert fs.stats()["control_commands_running"] == 1
+        assert flusher.is_alive()
+    finally:
+        flusher.join(60)
+    assert not flusher.is_alive()
+    assert fs.stats()["control_commands_running"] == 0 and fs.stats()["dirty_bytes"] == 0
+    assert (fs.mnt / "new-chunk").read_bytes() == b"n" * 4096
+    fs.umount()
+    fs.assert_fsck_clean()

@@ -1,9 +1,9 @@
 """kvfs-admin: statistics and control of a mounted kvfs, and NVMe-oF attach.
 
-It talks to the daemon through two extended attributes on the mount root:
-reading ``user.kvfs.stats`` returns JSON statistics (root and the mount's owner
-only), and writing a command to ``user.kvfs.control`` runs it and returns when
-it is done (the daemon refuses other callers with EPERM).
+It talks to the daemon through extended attributes: reading ``user.kvfs.stats``
+on the mount root returns JSON statistics (root and the mount's owner only), and
+writing a command to ``user.kvfs.control`` on ``/.kvfs`` (or on the root) runs it
+and returns when it is done (the daemon refuses other callers with EPERM).
 
 This module must import with only the standard library (tests run it under
 the system Python as an unprivileged user): no trio, no pyfuse3.
@@ -60,6 +60,21 @@ def send(mountpoint, command):
         read_stats(mountpoint)                      # a clear error if this is not kvfs
     except AccessDenied:                            # it is kvfs, and this caller may not touch it
         raise _refused(command, mountpoint) from None
+    # To /.kvfs, not to the root: setxattr holds the kernel's lock of the inode
+    # it names until the command is done (a flush or a checkpoint can take
+    # seconds), and on the root that stalled every lookup and create in it,
+    # where engines keep their chunk files. /.kvfs is root's (mode 0555): the
+    # kernel refuses others with EACCES before the daemon sees the command, and
+    # a daemon older than this answers ENOTSUP; neither ran it, so the root is
+    # tried then.
+    try:
+        os.setxattr(os.path.join(mountpoint, ".kvfs"), CONTROL_XATTR, command.encode())
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP):
+            if exc.errno == errno.EPERM:
+                raise _refused(command, mountpoint) from None
+            raise _not_kvfs(mountpoint, exc) from None
     try:
         os.setxattr(mountpoint, CONTROL_XATTR, command.encode())
     except OSError as exc:
