@@ -74,6 +74,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
                                low_watermark=low_watermark)
         self.admin = Admin(self, self.evictor)
         self.handles = {}
+        self._unsealed = {}            # ino -> inode: every content_dirty file (durability.py)
         self._next_fh = 1
         self._nursery = None
         self._durability_lock = trio.Lock()
@@ -230,7 +231,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
         inode.lookups += 1
         if inode.is_file:
             self.cache.attach(inode.data)
-            inode.content_dirty = True         # provisional until its first content record
+            self._mark_unsealed(inode)         # provisional until its first content record
         return ino
 
     def link(self, ino, parent, name):
@@ -401,7 +402,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
 
     def _content_changed(self, inode, now):
         self.tree.preserve(inode)              # a checkpoint being built keeps the old times
-        inode.content_dirty = True
+        self._mark_unsealed(inode)
         inode.content_version += 1
         inode.mtime = inode.ctime = now
 
