@@ -176,8 +176,9 @@ class WriteBack:
         d.buf = None
         del self._dirty[id(d)]
         filedata.dirty_count -= 1
-        filedata.progress.set()
-        filedata.progress = trio.Event()
+        if filedata.progress is not None:
+            filedata.progress.set()
+            filedata.progress = None
         self._unadmit()
 
     async def _flush_one(self, filedata, d):
@@ -241,6 +242,8 @@ class WriteBack:
             for entry in filedata.blocks:
                 if isinstance(entry, Dirty):
                     self._enqueue(filedata, entry)
+            if filedata.progress is None:
+                filedata.progress = trio.Event()
             await filedata.progress.wait()
         if filedata.failed:
             raise filedata.failed("flushing the file to the device failed")

@@ -265,7 +265,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             raise IsADirectory()
         if directory and len(inode.entries):
             raise NotEmpty()
-        shared = inode.is_file and len(self.tree.by_content.get(inode.content_key, ())) > 1
+        shared = inode.is_file and len(self.tree.content_owners(inode.content_key)) > 1
         self._emit(schema.Remove(parent, name, self.now()))
         if shared:
             crashpoint("dedup-unlink")

@@ -19,6 +19,7 @@ import time
 from .. import schema
 from ..crashpoints import crashpoint
 from ..errors import InvalidArgument
+from .inodes import names_of
 from .policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Evictor:
             size = inode.size_committed
             now = self.ns.now()
             inode.evicted = True
-            for parent, name in sorted(inode.names):
+            for parent, name in sorted(names_of(inode)):
                 self.ns._emit(schema.Remove(parent, name, now))
             crashpoint("evict-file-removed")
             count += 1

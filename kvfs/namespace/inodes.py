@@ -80,6 +80,37 @@ class DirEntries:
             i += 1
 
 
+# A file's names, for eviction (which removes them all): () for none, one
+# (directory ino, name) tuple, or a set of them for a file with hard links. Not
+# a set for every file: an empty set is 216 bytes, and almost every chunk file
+# has exactly one name. Owners of a content in Tree.by_content are kept alike:
+# one inode number, or a set of them.
+def add_name(inode, entry):
+    names = inode.names
+    if not names:
+        inode.names = entry
+    elif isinstance(names, set):
+        names.add(entry)
+    elif names != entry:
+        inode.names = {names, entry}
+
+
+def drop_name(inode, entry):
+    names = inode.names
+    if isinstance(names, set):
+        names.discard(entry)
+        if len(names) == 1:
+            inode.names = next(iter(names))
+    elif names == entry:
+        inode.names = ()
+
+
+def names_of(inode):
+    """A file's (directory ino, name) entries."""
+    names = inode.names
+    return names if isinstance(names, set) else ((names,) if names else ())
+
+
 class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
                  "parent", "entries", "target", "data", "committed", "size_committed",
@@ -107,7 +138,7 @@ class Inode:
         self.kernel_mtime = None           # the mtime last put in an attribute reply (None: not yet)
         self.sealing = False
         self.provisional = False           # created, no content record yet (see module doc)
-        self.names = set() if stat.S_ISREG(mode) else None   # files: {(directory ino, name)}, for eviction
+        self.names = () if stat.S_ISREG(mode) else None      # files: see add_name, for eviction
         self.evicted = False               # removed by eviction: gone, even for the kernel's cached lookups
         self.pre_truncate = None           # (old content, truncating fh): see namespace/truncation.py
 

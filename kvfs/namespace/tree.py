@@ -32,7 +32,7 @@ from ..blockcache import FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
 from .cut import TreeCut
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
-                     Inode)
+                     Inode, add_name, drop_name)
 
 log = logging.getLogger(__name__)
 HOLE_KEY = b"\0" * 16
@@ -58,7 +58,7 @@ class Tree:
         self.now = now
         self.inodes = {}           # durable inodes
         self.orphans = {}          # unlinked but still open or looked up
-        self.by_content = {}       # content key -> set of inode numbers
+        self.by_content = {}       # content key -> inode number, or a set of them (content_owners)
         self.next_ino = FIRST_INO
         self.loading = True        # during replay nothing is held in RAM yet
         self.pinned = set()        # files never evicted (durable: the checkpoint's "pinned")
@@ -120,7 +120,7 @@ class Tree:
             for name, (child, _) in directory.entries.by_name.items():
                 node = self.inodes.get(child)
                 if node is not None and node.names is not None:
-                    node.names.add((directory.ino, name))
+                    add_name(node, (directory.ino, name))
         self._meta_bytes = sum(self._inode_cost(i) for i in self.inodes.values())
         self._recount()
         self.loading = False
@@ -335,7 +335,7 @@ class Tree:
         self.preserve(inode)
         directory.entries.add(name, inode.ino)
         if inode.names is not None and not self.loading:
-            inode.names.add((directory.ino, name))
+            add_name(inode, (directory.ino, name))
         self._meta_bytes += DIR_ENTRY_COST + len(name)
         directory.mtime = directory.ctime = ns
         if inode.is_dir:
@@ -348,7 +348,7 @@ class Tree:
         self.preserve(inode)
         directory.entries.remove(name)
         if inode.names is not None:
-            inode.names.discard((directory.ino, name))
+            drop_name(inode, (directory.ino, name))
         self._meta_bytes -= DIR_ENTRY_COST + len(name)
         directory.mtime = directory.ctime = ns
         inode.ctime = ns
@@ -407,14 +407,30 @@ class Tree:
         inode.committed = keys
         inode.size_committed = size
         inode.content_key = self.content_key_of(size, keys)
-        self.by_content.setdefault(inode.content_key, set()).add(inode.ino)
+        owners = self.by_content.get(inode.content_key)
+        if owners is None:
+            self.by_content[inode.content_key] = inode.ino
+        elif isinstance(owners, set):
+            owners.add(inode.ino)
+        elif owners != inode.ino:
+            self.by_content[inode.content_key] = {owners, inode.ino}
 
     def _forget_content_key(self, inode):
-        owners = self.by_content.get(inode.content_key)
-        if owners is not None:
+        key = inode.content_key
+        owners = self.by_content.get(key)
+        if isinstance(owners, set):
             owners.discard(inode.ino)
-            if not owners:
-                del self.by_content[inode.content_key]
+            if len(owners) == 1:
+                self.by_content[key] = next(iter(owners))
+        elif owners is not None and owners == inode.ino:
+            del self.by_content[key]
+
+    def content_owners(self, key):
+        """The inode numbers whose committed content is ``key`` (a set or a tuple)."""
+        owners = self.by_content.get(key)
+        if owners is None:
+            return ()
+        return owners if isinstance(owners, set) else (owners,)
 
     def content_key_of(self, size, keys):
         """The public key of a whole content: what ``user.kvfs.key`` shows and by-hash names.

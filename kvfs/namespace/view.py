@@ -33,7 +33,7 @@ class ByHashView:
     def lookup_all(self, name):
         """by-hash lookup for a caller that may see every content (root)."""
         key = self._key_of_name(name)
-        holders = self.tree.by_content.get(key)
+        holders = self.tree.content_owners(key)
         if not holders:
             raise NotFound()
         view = self._view(key, self.tree.inodes[min(holders)])
@@ -60,10 +60,11 @@ class ByHashView:
         """
         if caller is None:
             sources = {}
-            for n, (key, holders) in enumerate(list(self.tree.by_content.items())):
+            for n, key in enumerate(list(self.tree.by_content)):
                 if n % 1024 == 1023:
                     await trio.lowlevel.checkpoint()
-                if holders and self.tree.by_content.get(key) is holders:
+                holders = self.tree.content_owners(key)      # now: it may have changed while we yielded
+                if holders:
                     sources[key] = min(holders)
         else:
             sources = await self._visible_sources(caller)
@@ -134,7 +135,7 @@ class ByHashView:
         uid, gid = caller
         wanted = {}
         for key in (self.tree.by_content if keys is None else keys):
-            for ino in self.tree.by_content.get(key, ()):
+            for ino in self.tree.content_owners(key):
                 inode = self.tree.inodes[ino]
                 if inode.uid == uid and inode.mode & 0o400:
                     wanted[ino] = key
