@@ -96,6 +96,21 @@ class IndexRefs:
         pass
 
 
+def check_mountable(path, options, mmp):
+    """What mount.kvfs checks before it forks the daemon, reading only: the superblock,
+    checkpoint and journal (decoded and validated, as the daemon will load them) and
+    that no live owner holds the multi-mount protection record.
+
+    The namespace is not built here: the daemon does that once, while its claim
+    waits, and what it would refuse the store-level load refuses first."""
+    device = open_device(path, readonly=True, retry_window=getattr(options, "io_retry", 0.0),
+                         timeout=getattr(options, "io_timeout", 60.0))
+    try:
+        ExtentStore.open(device, mmp=mmp, claim=False)
+    finally:
+        device.close()
+
+
 def load_tree(device, *, salvage=False, now=time.time_ns):
     """(store, index, tree, what loading found, records skipped) of the store on ``device``, for fsck."""
     store = ExtentStore.open(device, salvage=salvage)

@@ -13,6 +13,7 @@ import trio
 from .. import crashpoints
 from ..blockindex import DedupDomains
 from ..daemon import Daemon, Filesystem, MountOptions
+from ..stack import check_mountable
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
 from ..namespace.policy import POLICIES
 from ..store import MmpSettings, mmp
@@ -327,7 +328,7 @@ def main(argv):
         return 0
     # Validate the device before forking so most errors come straight back; a
     # live owner in the MMP record, too (the daemon inherits what this saw).
-    Filesystem.open(device, options, readonly=True, mmp=settings).close()
+    check_mountable(device, options, settings)
     if log_path is None:
         os.makedirs(LOG_DIR, exist_ok=True)
         log_path = os.path.join(LOG_DIR, "kvfs.log")

@@ -40,6 +40,8 @@ from .encoding import packb_in_pieces
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
 from .mmp import MmpSettings
+from .opening import claim_and_load
+from .opening import release_quietly as _release_quietly
 
 __all__ = ["Allocator", "ExtentStore", "MmpSettings", "StoreStatistics", "read_superblock"]
 
@@ -115,13 +117,13 @@ class ExtentStore:
                                 "is version %d, mounted without it: never attach it to two hosts at once",
                                 device.path, sb.version)
             elif claim:
-                guard, note = mmp_protocol.claim(device, sb, mmp), "owner"
+                # The load runs while the claim waits (kvfs/store/opening.py).
+                loaded, guard = claim_and_load(device, sb, mmp, salvage=salvage)
+                note = "owner"
             else:
                 mmp_protocol.probe(device, sb, mmp)
         try:
-            if guard is not None:
-                guard.start_background()
-            store = cls(device, load(device, salvage=salvage))
+            store = cls(device, loaded if guard is not None else load(device, salvage=salvage))
         except BaseException:
             if guard is not None:
                 _release_quietly(guard)
@@ -470,13 +472,6 @@ def _heartbeat_failure(exc):
             f"take the store over")
 
 
-def _release_quietly(guard):
-    try:
-        guard.stop_background(quiet=True)
-        guard.release_sync()
-    except KvfsError as exc:
-        log.warning("could not release the multi-mount protection record (%s): the next mount "
-                    "waits for its grace period", exc)
 
 
 def _coalesce(extents):

@@ -1,0 +1,103 @@
+"""Opening a store for writing: the load runs while the multi-mount claim waits.
+
+A claim (kvfs/store/mmp.py) writes our record and then waits two heartbeat
+intervals (5 s by default) before it checks that the record is still ours; the
+load of a large store is seconds of CPU. They ran one after the other, so every
+mount paid both. Now the claim waits in a thread while the calling thread loads.
+
+Why loading before the claim holds is safe. Only an owner writes metadata, and an
+owner heartbeats: the probe at the start of the claim watches a record in use
+and refuses (Busy), and a host claiming at the same moment makes one of the two
+claims fail. So when the claim succeeds, no other host wrote metadata while we
+loaded, with one exception: an owner forced out (``force``) writes until its next
+heartbeat sees our record. With force the claim still comes first. As a second
+line, once the claim holds we check that the metadata is as the load saw it:
+the superblocks and both checkpoint slot headers byte for byte (a checkpoint
+writes its slot's header last), and no valid frame after the journal's end (the
+journal only appends, so a new commit starts exactly there). If anything moved,
+the store is loaded again, now that it is ours.
+
+A load that fails (a damaged store) fails before the claim has decided, and the
+claim's thread is waited for and its record released, as before: a refused mount
+leaves the MMP sector as the release writes it (clean), never the data.
+"""
+import logging
+import threading
+
+from .. import schema
+from ..errors import KvfsError
+from .mmp import claim as claim_record
+from .loader import load
+
+log = logging.getLogger(__name__)
+
+
+def _fingerprint(device, sb):
+    """The bytes a new checkpoint or a superblock rewrite would change."""
+    return b"".join(device.pread_sync(off, schema.SECTOR)
+                    for off in (0, schema.SECTOR, sb.checkpoint_a_off, sb.checkpoint_b_off))
+
+
+def _journal_grew(loaded):
+    """A valid frame where the loaded journal ends: something was committed after the load."""
+    header, _ = loaded._frame_at(loaded._journal_reader(), loaded.journal_cursor)
+    return header is not None and header[:2] == (loaded.generation, loaded.frame_seq)
+
+
+def release_quietly(guard):
+    try:
+        guard.stop_background(quiet=True)
+        guard.release_sync()
+    except KvfsError as exc:
+        log.warning("could not release the multi-mount protection record (%s): the next mount "
+                    "waits for its grace period", exc)
+
+
+def _claim(device, sb, settings):
+    # Heartbeats start the moment the claim holds, however long the load
+    # still takes: a record that stands still looks like a crashed owner.
+    guard = claim_record(device, sb, settings)
+    guard.start_background()
+    return guard
+
+
+def claim_and_load(device, sb, settings, *, salvage=False):
+    """(Loaded, MmpGuard) of a store this host now owns, its guard heartbeating; Busy if another owns it."""
+    if settings.force:
+        guard = _claim(device, sb, settings)
+        try:
+            return load(device, salvage=salvage), guard
+        except BaseException:
+            release_quietly(guard)
+            raise
+    outcome = {}
+
+    def claiming():
+        try:
+            outcome["guard"] = _claim(device, sb, settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
+            outcome["error"] = exc
+
+    before = _fingerprint(device, sb)
+    claimer = threading.Thread(target=claiming, name="kvfs-mmp-claim", daemon=True)
+    claimer.start()
+    try:
+        loaded = load(device, salvage=salvage)
+    except BaseException:
+        claimer.join()
+        if "guard" in outcome:
+            release_quietly(outcome["guard"])
+        raise
+    claimer.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    guard = outcome["guard"]
+    try:
+        if _fingerprint(device, sb) != before or _journal_grew(loaded):
+            log.warning("%s: the store's metadata changed while it was loaded and claimed; "
+                        "loading it again", device.path)
+            loaded = load(device, salvage=salvage)
+        return loaded, guard
+    except BaseException:
+        release_quietly(guard)
+        raise

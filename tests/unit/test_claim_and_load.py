@@ -1,0 +1,119 @@
+"""kvfs.store.opening: the store loads while the multi-mount claim waits, and is loaded
+again if its metadata moved meanwhile (a forced-out owner committing until it notices).
+
+Time passes only when the claim sleeps (World from test_mmp); what another writer does
+meanwhile runs in that sleep, on a second handle of the same store file.
+"""
+import time
+
+import pytest
+import trio
+
+from kvfs import schema
+from kvfs.device import Device
+from kvfs.errors import Busy, FormatError
+from kvfs.namespace import ROOT_INO
+from kvfs.store import mmp
+from kvfs.store.loader import load, read_superblock
+from kvfs.store.opening import claim_and_load, release_quietly
+
+from .helpers import flip_byte, mkfs, open_fs, running, write_file
+from .test_mmp import World, on_disk, settings
+
+
+def another_writer_commits(path, name, *, checkpoint):
+    """A second, unclaimed handle makes a file and commits it (and checkpoints, if asked)."""
+    fs = open_fs(path)
+
+    async def work():
+        async with running(fs, persist=False):
+            await write_file(fs.ns, ROOT_INO, name, b"late" * 100)
+            await fs.ns.flush_all()                  # the journal gets its frames
+            if checkpoint:
+                await fs.ns.checkpoint()
+    trio.run(work)
+    fs.close()
+
+
+def names_in(loaded):
+    made = {r.name for r in loaded.records if isinstance(r, schema.Make)}
+    rows = loaded.state.inodes if loaded.state else []
+    return made, rows
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = mkfs(tmp_path)
+    another_writer_commits(path, b"before", checkpoint=True)
+    device = Device.open(str(path), lock=False)
+    yield path, device, read_superblock(device)
+    device.close()
+
+
+def test_an_untouched_store_loads_once_as_a_plain_load_would(store, caplog):
+    path, device, sb = store
+    world = World()
+    loaded, guard = claim_and_load(device, sb, settings(world, "host-a"))
+    try:
+        plain = load(device)
+        assert loaded.generation == plain.generation and loaded.records == plain.records
+        assert loaded.state == plain.state
+        assert sum(world.slept) == mmp.claim_wait(0.25)
+        assert "loading it again" not in caplog.text
+        first = guard.heartbeats
+        deadline = time.monotonic() + 10
+        while guard.heartbeats == first:             # the guard heartbeats on its own already
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert on_disk(device, sb).host_id == "host-a"
+    finally:
+        release_quietly(guard)
+    assert on_disk(device, sb).state == schema.MMP_CLEAN
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["journal-frame", "checkpoint"])
+def test_a_commit_while_the_claim_waits_is_seen(store, caplog, checkpoint):
+    path, device, sb = store
+    generation_before = load(device).generation
+    world = World()
+    done = []
+
+    def during_sleep():
+        if not done:                                 # once, at the claim's first sleep
+            done.append(True)
+            another_writer_commits(path, b"late", checkpoint=checkpoint)
+    world.during_sleep = during_sleep
+    loaded, guard = claim_and_load(device, sb, settings(world, "host-a"))
+    try:
+        assert done
+        assert "loading it again" in caplog.text
+        made, _ = names_in(loaded)
+        fresh = load(device)
+        assert (loaded.generation, loaded.records, loaded.state) == (fresh.generation, fresh.records, fresh.state)
+        if not checkpoint:
+            assert b"late" in made                   # the new journal frame's Make record
+        else:
+            assert loaded.generation > generation_before
+    finally:
+        release_quietly(guard)
+
+
+def test_a_damaged_store_fails_its_load_and_the_claim_is_released(store):
+    path, device, sb = store
+    flip_byte(path, sb.checkpoint_b_off + schema.SECTOR + 10)   # the payload of the active slot
+    flip_byte(path, sb.checkpoint_a_off + schema.SECTOR + 10)   # and of the other one
+    world = World()
+    with pytest.raises(FormatError):
+        claim_and_load(device, sb, settings(world, "host-a"))
+    assert on_disk(device, sb).state == schema.MMP_CLEAN           # released, not left in use
+
+
+def test_a_live_owner_refuses_the_claim_after_the_load(store):
+    path, device, sb = store
+    owner = mmp.claim(device, sb, settings(World(), "host-a"))
+    world = World()
+    world.during_sleep = owner.heartbeat_sync        # host-a heartbeats while host-b watches
+    with pytest.raises(Busy):
+        claim_and_load(device, sb, settings(world, "host-b"))
+    assert on_disk(device, sb).host_id == "host-a"
+    owner.release_sync()
