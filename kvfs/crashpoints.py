@@ -101,6 +101,12 @@ def reached(name):
         return _armed[name] == 0
 
 
+def armed(name):
+    """Whether ``name`` is armed: code that must work to reach a point (a lookup only its
+    crash test needs) asks this first, so unarmed it costs nothing."""
+    return _armed is not None and name in _armed
+
+
 def crashpoint(name):
     """Die here if this is the armed point's fatal arrival; otherwise nothing."""
     if _armed is not None and reached(name):

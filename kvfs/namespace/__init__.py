@@ -18,7 +18,7 @@ import time
 import trio
 
 from .. import schema
-from ..crashpoints import crashpoint
+from ..crashpoints import armed, crashpoint
 from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
@@ -189,7 +189,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             return None
         if not ino & VIEW_BIT:
             await self.seal(inode)
-        return None if inode.content_dirty else inode.content_key
+        return None if inode.content_dirty else self.tree.content.key(inode)
 
     # -- creating and removing ---------------------------------------------
     def _new_entry_checks(self, parent, name):
@@ -265,7 +265,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             raise IsADirectory()
         if directory and len(inode.entries):
             raise NotEmpty()
-        shared = inode.is_file and len(self.tree.content_owners(inode.content_key)) > 1
+        shared = inode.is_file and armed("dedup-unlink") and self.tree.has_copies(inode)
         self._emit(schema.Remove(parent, name, self.now()))
         if shared:
             crashpoint("dedup-unlink")

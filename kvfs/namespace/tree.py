@@ -30,12 +30,12 @@ from typing import Protocol
 from .. import schema
 from ..blockcache import FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
+from .contentindex import ContentIndex
 from .cut import TreeCut
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
                      Inode, add_name, drop_name)
 
 log = logging.getLogger(__name__)
-HOLE_KEY = b"\0" * 16
 
 
 class BlockRefs(Protocol):
@@ -58,7 +58,7 @@ class Tree:
         self.now = now
         self.inodes = {}           # durable inodes
         self.orphans = {}          # unlinked but still open or looked up
-        self.by_content = {}       # content key -> inode number, or a set of them (content_owners)
+        self.content = ContentIndex(blocks, self.inodes)     # built on first use (contentindex.py)
         self.next_ino = FIRST_INO
         self.loading = True        # during replay nothing is held in RAM yet
         self.pinned = set()        # files never evicted (durable: the checkpoint's "pinned")
@@ -400,46 +400,28 @@ class Tree:
 
     def _set_committed(self, inode, size, keys):
         self.preserve(inode)
-        self._forget_content_key(inode)
         self._meta_bytes += FILE_KEY_COST * (len(keys) - len(inode.committed))
         if inode.ino in self.inodes:
             self.committed_bytes += size - inode.size_committed
         inode.committed = keys
         inode.size_committed = size
-        inode.content_key = self.content_key_of(size, keys)
-        owners = self.by_content.get(inode.content_key)
-        if owners is None:
-            self.by_content[inode.content_key] = inode.ino
-        elif isinstance(owners, set):
-            owners.add(inode.ino)
-        elif owners != inode.ino:
-            self.by_content[inode.content_key] = {owners, inode.ino}
+        self.content.committed(inode)
 
     def _forget_content_key(self, inode):
-        key = inode.content_key
-        owners = self.by_content.get(key)
-        if isinstance(owners, set):
-            owners.discard(inode.ino)
-            if len(owners) == 1:
-                self.by_content[key] = next(iter(owners))
-        elif owners is not None and owners == inode.ino:
-            del self.by_content[key]
+        self.content.forget(inode)
+
+    @property
+    def by_content(self):
+        """Content key -> inode number(s); complete only once ``content.ready()`` has run."""
+        return self.content.by_content
 
     def content_owners(self, key):
-        """The inode numbers whose committed content is ``key`` (a set or a tuple)."""
-        owners = self.by_content.get(key)
-        if owners is None:
-            return ()
-        return owners if isinstance(owners, set) else (owners,)
+        return self.content.owners(key)
 
-    def content_key_of(self, size, keys):
-        """The public key of a whole content: what ``user.kvfs.key`` shows and by-hash names.
-
-        Block keys are domain-keyed, so the same bytes owned by two tenants get
-        two keys; the public form reveals nothing about the secret behind them.
-        """
-        internal = self.blocks.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
-        return self.blocks.public_id(internal)
+    def has_copies(self, inode):
+        """Whether another file holds ``inode``'s committed content (builds the index, without yielding)."""
+        self.content.ready_now()
+        return len(self.content.owners(self.content.key(inode))) > 1
 
     # -- metadata space ---------------------------------------------------------
     @staticmethod

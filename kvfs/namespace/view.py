@@ -33,6 +33,7 @@ class ByHashView:
     def lookup_all(self, name):
         """by-hash lookup for a caller that may see every content (root)."""
         key = self._key_of_name(name)
+        self.tree.content.ready_now()
         holders = self.tree.content_owners(key)
         if not holders:
             raise NotFound()
@@ -42,6 +43,7 @@ class ByHashView:
 
     async def lookup(self, name, caller):
         """Resolve by-hash/<name> for ``caller``: None (sees all) or (uid, gid)."""
+        await self.tree.content.ready()
         if caller is None:
             return self.lookup_all(name)
         key = self._key_of_name(name)
@@ -58,6 +60,7 @@ class ByHashView:
         Each entry is held until :meth:`release_listing`, so a listing's
         inode numbers stay valid while it is read.
         """
+        await self.tree.content.ready()
         if caller is None:
             sources = {}
             for n, key in enumerate(list(self.tree.by_content)):

@@ -31,6 +31,7 @@ async def test_owners_of_a_content_follow_dedup_copies_and_unlinks(tmp_path):
     ns = fs.ns
     async with running(fs):
         inos = [await write_file(ns, ROOT_INO, b"copy%d" % i, b"same bytes" * 1000) for i in range(3)]
+        await ns.tree.content.ready()                # the index is built on first use
         key = ns.inode(inos[0]).content_key
         assert set(ns.tree.content_owners(key)) == set(inos)
         ns.unlink(ROOT_INO, b"copy0", directory=False)
