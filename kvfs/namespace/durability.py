@@ -13,6 +13,7 @@ import trio
 
 from .. import schema
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
+from ..gcpolicy import collections_paused, release_in_pieces
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class Durability:
     async def checkpoint(self):
         """Write the whole state as a checkpoint (which empties the journal)."""
         async with self._durability_lock:
-            await self._checkpoint_locked()
+            with collections_paused():        # its rows would make every full collection long
+                await self._checkpoint_locked()
 
     async def _checkpoint_locked(self):
         # The cuts of the tree, the block index and the store are taken together,
@@ -69,7 +71,12 @@ class Durability:
                 cut_stats = tree_cut.statistics()
                 self._checkpoint_stats["rows_built_off_loop"] += cut_stats.rows_built_off_loop
                 self._checkpoint_stats["rows_saved_on_loop"] += cut_stats.rows_saved_on_loop
-            await self.cache.write_checkpoint(cuts, state)
+            try:
+                await self.cache.write_checkpoint(cuts, state)
+            finally:
+                with trio.CancelScope(shield=True):      # its rows die off the loop, in pieces
+                    await trio.to_thread.run_sync(release_in_pieces, state.inodes, tree_cut.inodes,
+                                                  limiter=self._cut_limiter)
         finally:
             self.cache.end_cut()
         self._checkpoint_stats["last_ms"] = (time.perf_counter() - started) * 1000

@@ -420,7 +420,9 @@ class ExtentStore:
         await self._metadata_io(self.device.pwrite_sync, off + schema.SECTOR, payload)
         await self._metadata_io(self.device.sync_sync)
         crashpoint("checkpoint-payload-written")
-        header = schema.encode_checkpoint_header(generation, payload, self.sb.hash_seed)
+        # Its digest reads the whole payload: in a worker thread, like the encoding.
+        header = await trio.to_thread.run_sync(schema.encode_checkpoint_header, generation, payload,
+                                               self.sb.hash_seed, limiter=self._encode_limiter)
         await self._metadata_io(self.device.pwrite_sync, off, header)
         await self._metadata_io(self.device.sync_sync)
         crashpoint("checkpoint-header-written")

@@ -8,11 +8,15 @@ encoding per value here) and lets the interpreter switch threads between items.
 """
 import msgpack
 
+from ..gcpolicy import release_in_pieces
+
 SPLIT_LISTS_LONGER_THAN = 64
 
 
 def packb_in_pieces(wire):
-    """``msgpack.packb(wire)``, byte for byte, for a dict (a checkpoint's to_wire())."""
+    """``msgpack.packb(wire)``, byte for byte, for a dict (a checkpoint's to_wire()).
+
+    It consumes ``wire``: the long lists are empty afterwards."""
     packer = msgpack.Packer()          # packb's defaults: use_bin_type, autoreset
     out = [packer.pack_map_header(len(wire))]
     for key, value in wire.items():
@@ -22,6 +26,7 @@ def packb_in_pieces(wire):
             pack = packer.pack
             for item in value:      # a Python loop: the interpreter may switch threads between items
                 out.append(pack(item))
+            release_in_pieces(value)        # the rows die here, in pieces (see kvfs/gcpolicy.py)
         else:
             out.append(packer.pack(value))
     return b"".join(out)

@@ -83,3 +83,63 @@ def test_uninstall_gives_everything_back():
     assert gc.get_freeze_count() == 0
     assert p._on_collection not in gc.callbacks
     p.uninstall()                                    # idempotent
+
+
+def test_collections_pause_nests_across_threads_and_restores_the_collector():
+    import threading
+
+    from kvfs.gcpolicy import collections_paused
+    assert gc.isenabled()
+    with collections_paused():
+        assert not gc.isenabled()
+        inner_done = threading.Event()
+
+        def other_thread():
+            with collections_paused():
+                assert not gc.isenabled()
+            inner_done.set()
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert inner_done.is_set() and not gc.isenabled()    # the outer pause still holds
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()                            # it was off before: it stays off
+    finally:
+        gc.enable()
+
+
+async def test_a_checkpoint_runs_with_collections_paused(tmp_path):
+    from kvfs.namespace import ROOT_INO
+
+    from .helpers import close_and_check, mkfs, open_fs, running, write_file
+    fs = open_fs(mkfs(tmp_path))
+    seen = []
+    async with running(fs):
+        await write_file(fs.ns, ROOT_INO, b"f", b"x" * 5000)
+        build = fs.ns.tree.cut
+
+        def cut_and_look():
+            seen.append(gc.isenabled())
+            return build()
+        fs.ns.tree.cut = cut_and_look
+        await fs.ns.checkpoint()
+        fs.ns.tree.cut = build
+    assert seen == [False] and gc.isenabled()
+    close_and_check(fs)
+
+
+def test_release_in_pieces_empties_lists_and_frees_what_only_they_held():
+    from kvfs import gcpolicy
+
+    class Row:
+        pass
+    rows = [Row() for _ in range(3 * gcpolicy.RELEASE_SLICE + 5)]
+    watched = weakref.ref(rows[7])
+    other = [1, 2]
+    gcpolicy.release_in_pieces(rows, other, [])
+    assert rows == [] and other == []
+    assert watched() is None                         # freed by reference counting, no collection
