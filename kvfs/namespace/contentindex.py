@@ -18,6 +18,8 @@ dedup copies share it (see :meth:`owners`).
 """
 import trio
 
+from .inodes import members, with_member, without_member
+
 HOLE_KEY = b"\0" * 16           # stands for a hole in the bytes a content key hashes
 SLICE = 2048                   # files keyed between two yields of the walk
 
@@ -61,31 +63,23 @@ class ContentIndex:
 
     def forget(self, inode):
         key = inode.content_key
-        owners = self.by_content.get(key) if key is not None else None
-        if isinstance(owners, set):
-            owners.discard(inode.ino)
-            if len(owners) == 1:
-                self.by_content[key] = next(iter(owners))
-        elif owners is not None and owners == inode.ino:
+        if key is None or key not in self.by_content:
+            return
+        owners = without_member(self.by_content[key], inode.ino)
+        if owners:
+            self.by_content[key] = owners
+        else:
             del self.by_content[key]
 
     def _enter(self, inode):
+        """Enter ``inode``'s content (idempotent)."""
         key = self.key(inode)
-        owners = self.by_content.get(key)
-        if owners is None:
-            self.by_content[key] = inode.ino
-        elif isinstance(owners, set):
-            owners.add(inode.ino)
-        elif owners != inode.ino:
-            self.by_content[key] = {owners, inode.ino}
+        self.by_content[key] = with_member(self.by_content.get(key), inode.ino)
 
     # -- queries ---------------------------------------------------------------
     def owners(self, key):
         """The inode numbers whose committed content is ``key`` (a set or a tuple); needs :meth:`ready`."""
-        owners = self.by_content.get(key)
-        if owners is None:
-            return ()
-        return owners if isinstance(owners, set) else (owners,)
+        return members(self.by_content.get(key))
 
     def _holds_content(self, inode):
         return inode.is_file and not inode.provisional
@@ -103,8 +97,8 @@ class ContentIndex:
             for start in range(0, len(todo), SLICE):
                 for ino in todo[start:start + SLICE]:
                     inode = self.inodes.get(ino)
-                    if inode is not None and self._holds_content(inode) and inode.ino not in self._entered(inode):
-                        self._enter(inode)
+                    if inode is not None and self._holds_content(inode):
+                        self._enter(inode)         # a change meanwhile entered it already: no-op
                 await trio.lowlevel.checkpoint()
             self._state = _BUILT
         except BaseException:
@@ -121,9 +115,6 @@ class ContentIndex:
         if self._state == _BUILT:
             return
         for inode in list(self.inodes.values()):
-            if self._holds_content(inode) and inode.ino not in self._entered(inode):
+            if self._holds_content(inode):
                 self._enter(inode)
         self._state = _BUILT
-
-    def _entered(self, inode):
-        return self.owners(inode.content_key) if inode.content_key is not None else ()

@@ -80,35 +80,46 @@ class DirEntries:
             i += 1
 
 
-# A file's names, for eviction (which removes them all): () for none, one
-# (directory ino, name) tuple, or a set of them for a file with hard links. Not
-# a set for every file: an empty set is 216 bytes, and almost every chunk file
-# has exactly one name. Owners of a content in Tree.by_content are kept alike:
-# one inode number, or a set of them.
+# "One or a set": a file's names (for eviction, which removes them all) and the
+# owners of a content (Tree.content) are almost always a single value, and an
+# empty set is 216 bytes. So such a field holds nothing (() or None), the one
+# value, or a set once there are two or more.
+def with_member(current, item):
+    """``current`` (a one-or-a-set field) with ``item`` added."""
+    if not current:
+        return item
+    if isinstance(current, set):
+        current.add(item)
+        return current
+    return current if current == item else {current, item}
+
+
+def without_member(current, item):
+    """``current`` with ``item`` removed; () once nothing is left."""
+    if isinstance(current, set):
+        current.discard(item)
+        return next(iter(current)) if len(current) == 1 else current
+    return () if current == item else current
+
+
+def members(current):
+    """The values of a one-or-a-set field."""
+    if isinstance(current, set):
+        return current
+    return (current,) if current else ()
+
+
 def add_name(inode, entry):
-    names = inode.names
-    if not names:
-        inode.names = entry
-    elif isinstance(names, set):
-        names.add(entry)
-    elif names != entry:
-        inode.names = {names, entry}
+    inode.names = with_member(inode.names, entry)
 
 
 def drop_name(inode, entry):
-    names = inode.names
-    if isinstance(names, set):
-        names.discard(entry)
-        if len(names) == 1:
-            inode.names = next(iter(names))
-    elif names == entry:
-        inode.names = ()
+    inode.names = without_member(inode.names, entry)
 
 
 def names_of(inode):
     """A file's (directory ino, name) entries."""
-    names = inode.names
-    return names if isinstance(names, set) else ((names,) if names else ())
+    return members(inode.names)
 
 
 class Inode:

@@ -200,7 +200,7 @@ class Tree:
             for name in [n for n, (child, _) in directory.entries.by_name.items() if child in doomed]:
                 directory.entries.remove(name)
         for ino in doomed:
-            self._forget_content_key(self.inodes.pop(ino))
+            self.content.forget(self.inodes.pop(ino))
         log.info("dropped %d file(s) created but never closed or fsynced before the crash", len(doomed))
 
     def cut(self):
@@ -376,7 +376,7 @@ class Tree:
             for key in inode.committed:
                 if key is not None:
                     self.blocks.drop_ref(key)
-            self._forget_content_key(inode)
+            self.content.forget(inode)
             inode.committed = []
         if inode.lookups or inode.opens:
             self.orphans[inode.ino] = inode
@@ -406,9 +406,6 @@ class Tree:
         inode.committed = keys
         inode.size_committed = size
         self.content.committed(inode)
-
-    def _forget_content_key(self, inode):
-        self.content.forget(inode)
 
     @property
     def by_content(self):
