@@ -38,7 +38,7 @@ from . import schema
 from .aligned import align_up
 from .crashpoints import crashpoint
 from .errors import CorruptBlock, DedupCollision, FormatError, InvalidArgument, NoSpace, SpaceAwaitsCommit
-from .gcpolicy import release_in_pieces
+from .gcpolicy import release_off_loop
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +229,7 @@ class BlockIndex:
             await self.store.write_checkpoint(store_cut, dataclasses.replace(state, blocks=blocks), transient)
         finally:
             # Freed off the loop, in pieces: freeing them here held the loop (kvfs/gcpolicy.py).
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(release_in_pieces, blocks, index_cut.entries,
-                                              limiter=self.hash_limiter)
+            await release_off_loop(blocks, index_cut.entries, limiter=self.hash_limiter)
 
     def checkpoint_capacity(self):
         return self.store.checkpoint_capacity()

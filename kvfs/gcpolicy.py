@@ -40,6 +40,8 @@ import gc
 import threading
 import time
 
+import trio
+
 
 @dataclasses.dataclass
 class GcStatistics:
@@ -111,6 +113,12 @@ def release_in_pieces(*containers):
 
 
 RELEASE_SLICE = 2048
+
+
+async def release_off_loop(*containers, limiter=None):
+    """:func:`release_in_pieces` in a worker thread, even when the caller is cancelled."""
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(release_in_pieces, *containers, limiter=limiter)
 
 _pause_lock = threading.Lock()
 _pauses = 0

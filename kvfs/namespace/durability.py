@@ -13,7 +13,7 @@ import trio
 
 from .. import schema
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
-from ..gcpolicy import collections_paused, release_in_pieces
+from ..gcpolicy import collections_paused, release_off_loop
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,7 @@ class Durability:
             try:
                 await self.cache.write_checkpoint(cuts, state)
             finally:
-                with trio.CancelScope(shield=True):      # its rows die off the loop, in pieces
-                    await trio.to_thread.run_sync(release_in_pieces, state.inodes, tree_cut.inodes,
-                                                  limiter=self._cut_limiter)
+                await release_off_loop(state.inodes, tree_cut.inodes, limiter=self._cut_limiter)
         finally:
             self.cache.end_cut()
         self._checkpoint_stats["last_ms"] = (time.perf_counter() - started) * 1000
