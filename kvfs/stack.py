@@ -31,6 +31,11 @@ def open_device(path, *, readonly=False, retry_window=0.0, timeout=60.0):
         raise
 
 
+def _open_device_for(path, options, readonly):
+    return open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0),
+                       timeout=getattr(options, "io_timeout", 60.0))
+
+
 def _rss_bytes():
     """The daemon's resident memory (what a host's memory budget sees)."""
     try:
@@ -103,8 +108,7 @@ def check_mountable(path, options, mmp):
 
     The namespace is not built here: the daemon does that once, while its claim
     waits, and what it would refuse the store-level load refuses first."""
-    device = open_device(path, readonly=True, retry_window=getattr(options, "io_retry", 0.0),
-                         timeout=getattr(options, "io_timeout", 60.0))
+    device = _open_device_for(path, options, readonly=True)
     try:
         ExtentStore.open(device, mmp=mmp, claim=False)
     finally:
@@ -141,8 +145,7 @@ class Filesystem:
         multi-mount protection record first (only check it, when ``readonly``);
         the daemon passes it, in-process users leave it out.
         """
-        device = open_device(path, readonly=readonly, retry_window=getattr(options, "io_retry", 0.0),
-                             timeout=getattr(options, "io_timeout", 60.0))
+        device = _open_device_for(path, options, readonly)
         store = None
         try:
             if not readonly:            # warnings go to the daemon's log, once (not mount.kvfs's check)

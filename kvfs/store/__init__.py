@@ -474,8 +474,6 @@ def _heartbeat_failure(exc):
             f"take the store over")
 
 
-
-
 def _coalesce(extents):
     merged = []
     for off, n in sorted(extents):

@@ -67,6 +67,11 @@ class Loaded:
     def frame_seq(self):
         return self._frame_seq
 
+    def journal_grew(self):
+        """A valid next frame where the loaded journal ends: something was committed since the load."""
+        header, _ = self._frame_at(self._journal_reader(), self._journal_cursor)
+        return header is not None and header[:2] == (self.generation, self._frame_seq)
+
     def _decode_records(self, wires, generation, seq):
         out = []
         if not isinstance(wires, list):

@@ -38,12 +38,6 @@ def _fingerprint(device, sb):
                     for off in (0, schema.SECTOR, sb.checkpoint_a_off, sb.checkpoint_b_off))
 
 
-def _journal_grew(loaded):
-    """A valid frame where the loaded journal ends: something was committed after the load."""
-    header, _ = loaded._frame_at(loaded._journal_reader(), loaded.journal_cursor)
-    return header is not None and header[:2] == (loaded.generation, loaded.frame_seq)
-
-
 def release_quietly(guard):
     try:
         guard.stop_background(quiet=True)
@@ -93,7 +87,7 @@ def claim_and_load(device, sb, settings, *, salvage=False):
         raise outcome["error"]
     guard = outcome["guard"]
     try:
-        if _fingerprint(device, sb) != before or _journal_grew(loaded):
+        if _fingerprint(device, sb) != before or loaded.journal_grew():
             log.warning("%s: the store's metadata changed while it was loaded and claimed; "
                         "loading it again", device.path)
             loaded = load(device, salvage=salvage)
