@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfsmount import run_tool
+from kvfsmount import run_tool, write_new
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -214,7 +214,6 @@ def test_a_slow_command_does_not_hold_up_lookups_and_creates_in_the_root(kvfs_fa
     setxattr names until the daemon answers, and a flush to a slow device takes seconds:
     sent to the root, it held up every lookup and create there, where engines keep their
     chunk files (the metadata benchmark's probe waited out whole checkpoints)."""
-    from kvfsmount import write_new
     fs = kvfs_factory(faults=[{"op": "write", "effect": "delay", "seconds": 4.0}])
     fs.mkfs()
     fs.mount()

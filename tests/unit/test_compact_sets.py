@@ -1,7 +1,10 @@
 """Names of a file and owners of a content: one value, or a set only when there are several."""
 import stat
 
+from kvfs.namespace import ROOT_INO
 from kvfs.namespace.inodes import Inode, add_name, drop_name, names_of
+
+from .helpers import close_and_check, mkfs, open_fs, running, write_file
 
 
 def test_a_file_keeps_its_names_as_one_tuple_until_it_has_two():
@@ -24,9 +27,6 @@ def test_a_file_keeps_its_names_as_one_tuple_until_it_has_two():
 
 
 async def test_owners_of_a_content_follow_dedup_copies_and_unlinks(tmp_path):
-    from kvfs.namespace import ROOT_INO
-
-    from .helpers import close_and_check, mkfs, open_fs, running, write_file
     fs = open_fs(mkfs(tmp_path))
     ns = fs.ns
     async with running(fs):

@@ -5,11 +5,16 @@ gc.get_freeze_count, never timed. The policy is always uninstalled at the end,
 so the objects of the test process go back to the collector.
 """
 import gc
+import threading
 import weakref
 
 import pytest
 
-from kvfs.gcpolicy import FreezeAfterFullCollections
+from kvfs import gcpolicy
+from kvfs.gcpolicy import FreezeAfterFullCollections, collections_paused
+from kvfs.namespace import ROOT_INO
+
+from .helpers import close_and_check, mkfs, open_fs, running, write_file
 
 
 class Node:
@@ -86,9 +91,6 @@ def test_uninstall_gives_everything_back():
 
 
 def test_collections_pause_nests_across_threads_and_restores_the_collector():
-    import threading
-
-    from kvfs.gcpolicy import collections_paused
     assert gc.isenabled()
     with collections_paused():
         assert not gc.isenabled()
@@ -113,9 +115,6 @@ def test_collections_pause_nests_across_threads_and_restores_the_collector():
 
 
 async def test_a_checkpoint_runs_with_collections_paused(tmp_path):
-    from kvfs.namespace import ROOT_INO
-
-    from .helpers import close_and_check, mkfs, open_fs, running, write_file
     fs = open_fs(mkfs(tmp_path))
     seen = []
     async with running(fs):
@@ -133,8 +132,6 @@ async def test_a_checkpoint_runs_with_collections_paused(tmp_path):
 
 
 def test_release_in_pieces_empties_lists_and_frees_what_only_they_held():
-    from kvfs import gcpolicy
-
     class Row:
         pass
     rows = [Row() for _ in range(3 * gcpolicy.RELEASE_SLICE + 5)]
