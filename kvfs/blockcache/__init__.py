@@ -71,7 +71,7 @@ class BlockCache(ReadSide, WriteBack):
         self._clean_spare_max = self.cache_size // self.bs
         self._spare = []                            # recycled dirty block buffers
         self._spare_max = min(self.dirty_limit // self.bs, 256)
-        self._zero_block = bytes(self.bs)
+        self._zero_block = memoryview(bytes(self.bs))     # sliced without a copy
         self._s = collections.Counter()
 
     # -- passed down to the index (the namespace talks only to the cache) ------

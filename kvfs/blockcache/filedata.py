@@ -4,10 +4,11 @@
 class Dirty:
     """A block's bytes in RAM that the device does not have yet."""
 
-    __slots__ = ("buf", "version", "queued", "attempts")
+    __slots__ = ("buf", "version", "queued", "attempts", "used")
 
-    def __init__(self, buf):
+    def __init__(self, buf, used=0):
         self.buf = buf                     # zero-filled; bytes past the file's end stay zero
+        self.used = used                   # bytes at the front of buf that may not be zero
         self.version = 0                   # bumped by every write; a flush of an old version is void
         self.queued = False
         self.attempts = 0

@@ -59,6 +59,7 @@ class WriteBack:
             whole = inner == 0 and (n == bs or off + pos + n >= filedata.size)
             d = await self._dirty_block(filedata, idx, need_base=not whole, covers_block=n == bs)
             d.buf[inner:inner + n] = view[pos:pos + n]
+            d.used = max(d.used, inner + n)
             d.version += 1
             pos += n
             if off + pos > filedata.size:
@@ -95,9 +96,12 @@ class WriteBack:
                 if (filedata.blocks[idx] if idx < len(filedata.blocks) else None) is not current:
                     self._unadmit()
                     continue
-            d = Dirty(self._new_buffer(zeroed=not covers_block))
+            # A block the write covers whole is overwritten at once: its buffer
+            # need not be zeroed, and counts as used through its end.
+            d = Dirty(self._new_buffer(zeroed=not covers_block), used=self.bs if covers_block else 0)
             if base is not None:
                 d.buf[:len(base)] = base
+                d.used = max(d.used, len(base))
             if idx >= len(filedata.blocks):
                 filedata.blocks.extend([None] * (idx + 1 - len(filedata.blocks)))
             filedata.blocks[idx] = d
@@ -162,9 +166,11 @@ class WriteBack:
         partial writes need the recycled buffer zeroed.
         """
         if self._spare:
-            buf = self._spare.pop()
-            if zeroed:
-                buf[:] = self._zero_block
+            # Only the front that its last block used can hold bytes: zeroing
+            # the whole 1 MiB for every small file cost more than its write.
+            buf, used = self._spare.pop()
+            if zeroed and used:
+                buf[:used] = self._zero_block[:used]
             return buf
         # Page aligned, so the device can write it with O_DIRECT without a copy.
         return new_buffer(self.bs)
@@ -172,7 +178,7 @@ class WriteBack:
     def _retire(self, filedata, d):
         """``d`` has left ``filedata.blocks``: give back its memory and reservation."""
         if len(self._spare) < self._spare_max:
-            self._spare.append(d.buf)
+            self._spare.append((d.buf, d.used))    # zeros from d.used on
         d.buf = None
         del self._dirty[id(d)]
         filedata.dirty_count -= 1

@@ -451,3 +451,35 @@ async def test_a_read_waiting_for_the_device_sees_the_file_as_it_began(tmp_path,
         check_accounting(fs, filedata)                  # the read's pins are gone, the old blocks freed
         assert fs.index.statistics().unique_blocks == sum(isinstance(b, bytes) for b in filedata.blocks)
     close_and_check(fs)
+
+
+async def test_recycled_dirty_buffers_never_show_their_old_bytes(tmp_path):
+    """A recycled buffer is zeroed only as far as its last block wrote (not the whole
+    block): whatever the next file leaves unwritten must still read as zeros."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path, cache_size=32 * BS, dirty_limit=8 * BS)
+    cache = fs.cache
+    rng = random.Random(5)
+    async with running(fs):
+        old = FileData()
+        noise = rng.randbytes(6 * BS)                 # whole blocks, then a partial one
+        await cache.write(old, 0, noise + rng.randbytes(BS // 3))
+        await cache.flush_file(old)                   # its buffers go back to the spare pool
+        assert cache._spare and all(used > 0 for _, used in cache._spare)
+        files = []
+        for n in range(10):
+            f = FileData()
+            off = rng.randrange(0, BS // 2)
+            data = rng.randbytes(rng.randrange(1, BS // 4))
+            await cache.write(f, off, data)           # a partial block into a recycled buffer
+            await cache.truncate(f, off + len(data) + rng.randrange(0, BS // 4))   # grown: zeros
+            expect = bytes(off) + data
+            expect += bytes(f.size - len(expect))
+            assert await cache.read(f, 0, f.size) == expect, n
+            files.append((f, expect))
+        for f, expect in files:
+            await cache.flush_file(f)
+        cache.drop_clean()
+        for f, expect in files:
+            assert await cache.read(f, 0, f.size) == expect
+    close_and_check(fs)
