@@ -146,7 +146,8 @@ class Stress:
         name = rng.choice(NAMES)
         spec = self.new_spec(rng)
         access = os.O_WRONLY if rng.random() < 0.6 else os.O_RDWR
-        with self.locks[name], self.op(worker, "rewrite_o_trunc", name):
+        mode = "O_WRONLY" if access == os.O_WRONLY else "O_RDWR"
+        with self.locks[name], self.op(worker, "rewrite_o_trunc", f"{name} {mode}"):
             obj = self.history.current(name)
             now = time.monotonic()
             if obj is None:
@@ -232,7 +233,10 @@ class Stress:
         try:
             self.history.check_read(name, t0, t_open, t1, data, kind)
         except Violation as exc:
-            self.fail(f"{kind} read: {exc}")
+            # What else was running says which kernel path raced the read (a
+            # page-cache O_RDWR rewriter or a direct_io O_WRONLY one).
+            running = sorted(f"{op} {path}" for op, path, _, _ in list(self.busy.values()))
+            self.fail(f"{kind} read: {exc}\nin flight when it was checked: {running}")
 
     def _eio(self, kind, name, exc):
         if exc.errno != errno.EIO:
