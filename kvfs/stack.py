@@ -53,10 +53,13 @@ def _warn_if_readable_by_others(path):
                     "file's data and the content-key secret; chmod 600 it", path, st.st_mode & 0o777)
 
 
-def _replay(store, index, load):
-    """Enter the checkpoint's blocks, apply the journal, and let the store reuse frees again."""
+def _replay(store, index, load, *, consume=False):
+    """Enter the checkpoint's blocks, apply the journal, and let the store reuse frees again.
+
+    ``consume`` (mount): the checkpoint's rows are dropped as they are loaded.
+    """
     loaded = store.loaded
-    index.load(loaded.state.blocks)
+    index.load(loaded.state.blocks, consume=consume)
     try:
         result = load(loaded.state, loaded.records)
     except KvfsError:
@@ -90,6 +93,9 @@ class IndexRefs:
 
     def has_block(self, key):
         return key in self.index.entries
+
+    def stored_key(self, key):
+        return self.index.stored_key(key)
 
     def block_count(self):
         return self.index.block_count()
@@ -165,7 +171,7 @@ class Filesystem:
                                   high_watermark=getattr(options, "high_watermark", 0.9),
                                   low_watermark=getattr(options, "low_watermark", 0.8))
             replayed = store.loaded.replay_report
-            _replay(store, index, namespace.load)
+            _replay(store, index, namespace.load, consume=True)
             return cls(device, store, index, cache, namespace, replayed)
         except BaseException:
             if store is not None:

@@ -97,6 +97,9 @@ class BlockCache(ReadSide, WriteBack):
     def has_block(self, key):
         return key in self.index.entries
 
+    def stored_key(self, key):
+        return self.index.stored_key(key)
+
     def block_ref(self, key):
         return self.index.block_ref(key)
 

@@ -85,7 +85,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
 
     def load(self, state, records):
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
-        self.tree.load(state, records)
+        self.tree.load(state, records, consume=True)
         try:
             self.tree.check_shape()
         except FormatError as exc:

@@ -25,7 +25,7 @@ namespace without a cache.
 import collections
 import logging
 import stat
-from typing import Protocol
+from typing import Optional, Protocol
 
 from .. import schema
 from ..blockcache import FileData
@@ -47,6 +47,7 @@ class BlockRefs(Protocol):
     def public_id(self, key: bytes) -> bytes: ...
     def drop_ref(self, key: bytes) -> None: ...
     def has_block(self, key: bytes) -> bool: ...
+    def stored_key(self, key: bytes) -> Optional[bytes]: ...
     def block_count(self) -> int: ...
     def attach(self, filedata: FileData) -> None: ...
     def release(self, filedata: FileData) -> None: ...
@@ -88,15 +89,20 @@ class Tree:
         return inode
 
     # -- load and snapshot ------------------------------------------------------
-    def load(self, state, records, *, skip_failures=False):
+    def load(self, state, records, *, skip_failures=False, consume=False):
         """Build the tree from a CheckpointState and the replayed records.
 
         With ``skip_failures`` (fsck salvaging a damaged store) a record that
         does not apply is skipped and counted; returns the number skipped.
+        With ``consume`` (mount) each row is dropped from ``state.inodes`` once
+        it is an Inode, so the rows and the tree are not both in memory whole.
         """
         self.next_ino = state.next_ino
-        for row in state.inodes:
+        rows = state.inodes
+        for i, row in enumerate(rows):
             self._load_inode(row)
+            if consume:
+                rows[i] = None
         for ino in state.provisional:
             if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional
                 self.inodes[ino].provisional = True
@@ -126,7 +132,10 @@ class Tree:
         self.loading = False
         for inode in self.inodes.values():
             if inode.is_file:
-                present = [k if k is None or self.blocks.has_block(k) else None for k in inode.committed]
+                # The index's key objects, not the copies decoded with this row:
+                # one 16-byte key object per block instead of two.
+                present = [None if k is None else self.blocks.stored_key(k) for k in inode.committed]
+                inode.committed = [p if p is not None else k for p, k in zip(present, inode.committed)]
                 inode.data = FileData(inode.size_committed, present, self.blocks.domain_of(inode.uid))
                 if present != inode.committed:
                     log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
@@ -142,7 +151,12 @@ class Tree:
 
     def _load_inode(self, row):
         inode = Inode(row.ino, row.mode, row.uid, row.gid, row.rdev)
-        inode.nlink, inode.atime, inode.mtime, inode.ctime = row.nlink, row.atime, row.mtime, row.ctime
+        # Equal timestamps share one int object (48 bytes each): a file
+        # written once has mtime == ctime, and often atime too.
+        mtime = row.mtime
+        atime = mtime if row.atime == mtime else row.atime
+        ctime = mtime if row.ctime == mtime else row.ctime
+        inode.nlink, inode.atime, inode.mtime, inode.ctime = row.nlink, atime, mtime, ctime
         if inode.is_dir:
             inode.parent = row.parent
             for name, child in row.entries:
