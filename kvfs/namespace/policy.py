@@ -62,6 +62,9 @@ class S3FIFO:
         self._small = collections.OrderedDict()       # ino -> size, oldest first
         self._main = collections.OrderedDict()
         self._ghost = collections.OrderedDict()       # ino -> None: evicted from small, recently
+        # ino -> reads since it entered its queue, only for files read at all:
+        # most files are never read again before they go (and none has been
+        # after a remount), and an entry for each was 50 bytes a file.
         self._freq = {}
         self._small_bytes = self._main_bytes = 0
 
@@ -73,7 +76,6 @@ class S3FIFO:
 
     def insert(self, ino, size):
         self.remove(ino)
-        self._freq[ino] = 0
         if ino in self._ghost:                # evicted while new, and back: it is wanted
             del self._ghost[ino]
             self._main[ino] = size
@@ -83,8 +85,8 @@ class S3FIFO:
             self._small_bytes += size
 
     def access(self, ino):
-        if ino in self._freq:
-            self._freq[ino] = min(self._freq[ino] + 1, MAX_FREQUENCY)
+        if ino in self._small or ino in self._main:
+            self._freq[ino] = min(self._freq.get(ino, 0) + 1, MAX_FREQUENCY)
 
     def remove(self, ino):
         if ino in self._small:
@@ -116,15 +118,19 @@ class S3FIFO:
                     self._small_bytes -= size
                     self._main[ino] = size
                     self._main_bytes += size
-                    self._freq[ino] = 0
+                    del self._freq[ino]
                     continue
                 self._small.move_to_end(ino)           # if the evictor skips it, it waits its turn
                 self._remember(ino)
                 yield ino
             else:
                 ino, size = next(iter(self._main.items()))
-                if self._freq.get(ino, 0) > 0:
-                    self._freq[ino] -= 1
+                freq = self._freq.get(ino, 0)
+                if freq > 0:
+                    if freq == 1:
+                        del self._freq[ino]
+                    else:
+                        self._freq[ino] = freq - 1
                     self._main.move_to_end(ino)
                     continue
                 self._main.move_to_end(ino)
