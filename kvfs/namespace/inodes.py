@@ -122,36 +122,69 @@ def names_of(inode):
     return members(inode.names)
 
 
+def _rare(name, default):
+    """A field of :class:`Inode` that is almost always ``default``, kept in ``_rare``.
+
+    A slot costs 8 bytes on every inode, a million files or not; these fields
+    are set only on a directory, a symlink or device node, or a file while it
+    is open, written or being sealed. ``_rare`` is None until one of them is
+    set to something else, and goes back to None once all are default again.
+    """
+    def get(self):
+        rare = self._rare
+        return default if rare is None else rare.get(name, default)
+
+    def put(self, value):
+        rare = self._rare
+        if value is default or value == default and type(value) is type(default):
+            if rare is not None:
+                rare.pop(name, None)
+                if not rare:
+                    self._rare = None
+        elif rare is None:
+            self._rare = {name: value}
+        else:
+            rare[name] = value
+    return property(get, put, doc=f"(rare; default {default!r})")
+
+
 class Inode:
-    __slots__ = ("ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime",
-                 "parent", "entries", "target", "data", "committed", "size_committed",
-                 "content_key", "content_version", "cached_version", "content_dirty",
-                 "lookups", "opens", "writers", "sealing", "provisional", "names", "evicted",
-                 "pre_truncate", "page_writers", "direct_writes_under_page_writers", "kernel_mtime")
+    __slots__ = ("ino", "mode", "uid", "gid", "nlink", "atime", "mtime", "ctime",
+                 "data", "committed", "size_committed", "content_key", "content_version",
+                 "cached_version", "lookups", "names", "kernel_mtime", "rdev", "evicted", "_rare")
+
+    # rdev and evicted stay slots although they are almost always 0 and False:
+    # every attribute reply reads rdev and every request's inode lookup reads
+    # evicted, and a property read costs more there than their 16 bytes.
+    parent = _rare("parent", None)                 # directories only
+    entries = _rare("entries", None)               # directories only: DirEntries
+    target = _rare("target", None)                 # symlinks only
+    content_dirty = _rare("content_dirty", False)  # live content differs from the durable record
+    opens = _rare("opens", 0)
+    writers = _rare("writers", 0)
+    page_writers = _rare("page_writers", 0)        # open writers through the page cache (see namespace/pagecache.py)
+    direct_writes_under_page_writers = _rare("direct_writes_under_page_writers", False)
+    sealing = _rare("sealing", False)
+    provisional = _rare("provisional", False)      # created, no content record yet (see module doc)
+    pre_truncate = _rare("pre_truncate", None)     # (old content, truncating fh): see namespace/truncation.py
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
+        self._rare = None
         self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
         self.nlink = 2 if stat.S_ISDIR(mode) else 1
         self.atime = self.mtime = self.ctime = now
-        self.parent = None                 # directories only
-        self.entries = DirEntries() if stat.S_ISDIR(mode) else None
-        self.target = None                 # symlinks only
+        if stat.S_ISDIR(mode):
+            self.entries = DirEntries()
         self.data = FileData() if stat.S_ISREG(mode) else None
         self.committed = []                # durable block list: [key | None, ...]
         self.size_committed = 0
         self.content_key = None
         self.content_version = 0           # bumped on every content change
         self.cached_version = -1           # content version the kernel page cache holds
-        self.content_dirty = False         # live content differs from the durable record
-        self.lookups = self.opens = self.writers = 0
-        self.page_writers = 0              # open writers through the page cache (see namespace/pagecache.py)
-        self.direct_writes_under_page_writers = False
+        self.lookups = 0
         self.kernel_mtime = None           # the mtime last put in an attribute reply (None: not yet)
-        self.sealing = False
-        self.provisional = False           # created, no content record yet (see module doc)
         self.names = () if stat.S_ISREG(mode) else None      # files: see add_name, for eviction
         self.evicted = False               # removed by eviction: gone, even for the kernel's cached lookups
-        self.pre_truncate = None           # (old content, truncating fh): see namespace/truncation.py
 
     @property
     def is_dir(self):
