@@ -293,6 +293,27 @@ def test_readdir_cookies_survive_removals_and_additions():
     assert list(d.items_after(0))[-1] == (b"e101", 7, d.by_name[b"e101"][1])
 
 
+def test_a_listing_in_progress_survives_a_compaction_under_it():
+    # A generator of items_after that is still running when removals compact
+    # the cookie lists: it yields only live entries, each once, in cookie order.
+    d = DirEntries()
+    for i in range(300):
+        d.add(b"e%03d" % i, 1000 + i)
+    it = d.items_after(0)
+    first = [next(it) for _ in range(10)]
+    for i in range(20, 300, 3):
+        d.remove(b"e%03d" % i)
+    for i in range(21, 300, 3):
+        d.remove(b"e%03d" % i)               # enough tombstones to compact
+    assert len(d._order) < 300                # it did compact
+    rest = list(it)
+    names = [n for n, _, _ in first + rest]
+    assert len(names) == len(set(names))
+    assert all(d.get(n) == ino for n, ino, _ in rest)
+    assert [c for _, _, c in rest] == sorted(c for _, _, c in rest)
+    assert {n for n, _, _ in rest} == {n for n in d.by_name if n not in names[:10]}
+
+
 async def test_list_dir_resumes_from_cookies(path):
     fs = open_fs(path)
     ns = fs.ns
