@@ -15,12 +15,16 @@ def align_down(n, a=SECTOR):
     return n // a * a
 
 
-def new_buffer(size):
+def new_buffer(size, populate=True):
     """A zeroed, page-aligned anonymous buffer, its pages faulted in by one mmap call.
 
     Page aligned, so the device can transfer into or out of it with O_DIRECT.
     MAP_POPULATE makes the kernel fill the pages up front instead of taking a
-    fault per 4 KiB on first touch (in the event loop, holding the GIL).
+    fault per 4 KiB on first touch (in the event loop, holding the GIL). With
+    ``populate`` False the pages come on first touch, and only those touched
+    take memory: for a buffer that will be mostly unused.
     """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(-1, size, flags=flags)
