@@ -27,6 +27,7 @@ now could be overwritten by the late one.
 """
 import dataclasses
 import logging
+import mmap
 
 import msgpack
 import trio
@@ -417,7 +418,8 @@ class ExtentStore:
         damage after the fact, which the loader may treat as proof that this
         generation existed.
         """
-        await self._metadata_io(self.device.pwrite_sync, off + schema.SECTOR, payload)
+        # packb_in_pieces built the payload in a page-aligned buffer: written as is.
+        await self._metadata_io(self.device.pwrite_sync, off + schema.SECTOR, payload, _buffer_of(payload))
         await self._metadata_io(self.device.sync_sync)
         crashpoint("checkpoint-payload-written")
         # Its digest reads the whole payload: in a worker thread, like the encoding.
@@ -482,3 +484,9 @@ def _coalesce(extents):
         else:
             merged.append([off, n])
     return merged
+
+
+def _buffer_of(payload):
+    """The page-aligned buffer a payload view was built in (see encoding.packb_in_pieces), or None."""
+    obj = getattr(payload, "obj", None)
+    return obj if isinstance(obj, mmap.mmap) else None

@@ -1,4 +1,5 @@
 """kvfs.store.encoding: a checkpoint packed in pieces is byte for byte msgpack.packb's, and decodes back."""
+import mmap
 import random
 
 import msgpack
@@ -34,3 +35,14 @@ def test_pieces_equal_packb_and_decode_back():
 
 def test_an_empty_checkpoint():
     assert packb_in_pieces({}) == msgpack.packb({})
+
+
+def test_the_payload_lies_in_a_buffer_the_device_can_write_as_it_is():
+    # Device.pwrite_sync's ``source``: page aligned (an mmap), the payload at
+    # its start, zeros after it to the end of the last sector.
+    packed = packb_in_pieces(sample_wire(random.Random(3), 300))
+    buf = packed.obj
+    assert isinstance(buf, mmap.mmap) and len(buf) % 4096 == 0 and len(buf) >= len(packed)
+    assert bytes(buf[:len(packed)]) == bytes(packed)
+    assert buf[len(packed):].count(0) == len(buf) - len(packed)
+    assert packed.readonly
