@@ -14,6 +14,7 @@ import trio
 from .. import schema
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
 from ..gcpolicy import collections_paused, release_off_loop
+from ..gilpolicy import loop_first
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,16 @@ class Durability:
     async def checkpoint(self):
         """Write the whole state as a checkpoint (which empties the journal)."""
         async with self._durability_lock:
-            with collections_paused():        # its rows would make every full collection long
-                await self._checkpoint_locked()
+            await self._checkpoint_locked()
 
     async def _checkpoint_locked(self):
+        # Both ways in (checkpoint(), and a commit that found the journal full)
+        # come here: its rows would make every full collection long, and the
+        # threads that build them must give the loop the GIL back quickly.
+        with collections_paused(), loop_first():
+            await self._checkpoint_cuts()
+
+    async def _checkpoint_cuts(self):
         # The cuts of the tree, the block index and the store are taken together,
         # with no await between them: the checkpoint holds exactly the records
         # appended so far. The rows are built from the cuts off the event loop
