@@ -208,9 +208,14 @@ def test_softpath_reports_every_figure_and_tears_down(tmp_path):
 def test_softpath_interrupted_still_tears_down(tmp_path):
     """Ctrl-C in the middle of a run leaves no mount and no loop device behind."""
     pytest.importorskip("torch")
+    # Ctrl-C's default action for the bench, whatever this test inherited: a
+    # shell without job control starts background jobs (`nohup ... &`) with
+    # SIGINT ignored, exec keeps it ignored, and Python then installs no
+    # KeyboardInterrupt handler, so the bench ran on to its end.
     proc = subprocess.Popen([sys.executable, str(BENCH), "softpath", "--files", "8", "--file-mib", "4",
                              "--repeat", "3", "--workdir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stderr:  # wait until the filesystems are up and in use
             if "repeat 1/3: kvfs" in line or "repeat 1/3: ext4" in line:
