@@ -143,6 +143,18 @@ class ReadSide:
         self._s["read_requests"] += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def prefetch_on_open(self, filedata):
+        """A new reader: prefetch from the file's start again.
+
+        What an earlier reader prefetched may have left the clean cache since
+        (LRU eviction, drop-caches); without starting over, a cold re-read got no
+        prefetch at all and went to the device one request, one block at a time.
+        Blocks still cached or being read are skipped, so a warm reopen costs one
+        scan of the window and no device read.
+        """
+        filedata.prefetched_upto = 0
+        self.prefetch(filedata)
+
     def prefetch(self, filedata, from_index=0):
         """Start background reads of the stored blocks ahead of ``from_index``.
 
