@@ -97,6 +97,7 @@ class Daemon:
         stats["gc_full_collections"] = gc_stats.full_collections
         stats["gc_full_collection_max_ms"] = round(gc_stats.full_collection_max_s * 1000, 3)
         stats["gc_frozen_objects"] = gc_stats.frozen_objects
+        stats["gc_frozen_counted_s_ago"] = gc_stats.frozen_counted_s_ago
         stats["control_commands_running"] = self._commands_running
         return stats
 
@@ -120,6 +121,8 @@ class Daemon:
             raise InvalidArgument(f"malformed {name} command: {exc}") from None
         if name == "flush":
             await self.fs.ns.flush_all()
+        elif name == "count-frozen":
+            self._gc.count_frozen()
         elif name == "drop-caches":
             self.fs.ns.drop_caches()
         elif name == "checkpoint":

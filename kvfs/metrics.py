@@ -88,7 +88,11 @@ METRICS = {
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,
                                   "Longest full garbage collection (ms): it stopped every FUSE request."),
     "gc_frozen_objects": ("kvfs_gc_frozen_objects", GAUGE,
-                          "Objects the daemon has frozen out of garbage collection (kvfs/gcpolicy.py)."),
+                          "Objects the daemon has frozen out of garbage collection (kvfs/gcpolicy.py), "
+                          "as last counted."),
+    "gc_frozen_counted_s_ago": ("kvfs_gc_frozen_counted_seconds_ago", GAUGE,
+                                "Age of kvfs_gc_frozen_objects: counting walks every frozen object, so it "
+                                "is recounted at most once a minute, or by kvfs-admin count-frozen."),
     "buffer_bytes": ("kvfs_buffer_bytes", GAUGE,
                      "RAM in block buffers (clean, dirty, and spare ones kept for reuse); the rest of the "
                      "daemon's RSS is code and metadata."),

@@ -155,7 +155,7 @@ def test_top_in_tmux_refreshes_and_quits_on_ctrl_c(small, tmp_path):
 
 
 def test_control_commands_answer_json(small):
-    for command in ("flush", "drop-caches", "checkpoint"):
+    for command in ("flush", "drop-caches", "count-frozen", "checkpoint"):
         result = json.loads(admin(command, "--json", small.mnt).stdout)
         assert result["ok"] is True and result["command"] == command
     result = json.loads(admin("umount", "--json", small.mnt).stdout)
@@ -171,7 +171,7 @@ def as_nobody(*args):
 def test_state_changing_commands_refuse_other_users_in_one_line(shared_kvfs):
     fs = shared_kvfs()
     (fs.mnt / "keep").write_bytes(b"k" * 4096)
-    for command in ("flush", "drop-caches", "checkpoint", "umount"):
+    for command in ("flush", "drop-caches", "count-frozen", "checkpoint", "umount"):
         proc = as_nobody(command, fs.mnt)
         lines = proc.stderr.splitlines()
         assert proc.returncode == 1 and proc.stdout == "" and len(lines) == 1, proc.stderr
@@ -183,7 +183,7 @@ def test_state_changing_commands_refuse_other_users_in_one_line(shared_kvfs):
 
 
 def test_every_command_has_help():
-    commands = [["stats"], ["top"], ["metrics"], ["flush"], ["drop-caches"], ["checkpoint"], ["umount"],
+    commands = [["stats"], ["top"], ["metrics"], ["flush"], ["drop-caches"], ["count-frozen"], ["checkpoint"], ["umount"],
                 ["nvmeof"], ["nvmeof", "status"], ["nvmeof", "attach"], ["nvmeof", "command"]]
     assert admin("--help").stdout.startswith("usage: kvfs-admin")
     for cmd in commands:

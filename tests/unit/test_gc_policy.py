@@ -42,6 +42,7 @@ def test_install_freezes_what_is_loaded_and_each_full_collection_freezes_its_sur
     assert policy.statistics().full_collections == 0
     frozen_before = gc.get_freeze_count()
     gc.collect()
+    policy.count_frozen()
     st = policy.statistics()
     assert st.full_collections == 1
     # The survivors, the 20,000 lists among them, left the generations the next
@@ -64,6 +65,22 @@ def test_cycles_made_after_a_freeze_are_still_collected(policy):
     assert gone() is not None                        # a cycle: reference counting cannot free it
     gc.collect()
     assert gone() is None
+
+
+def test_the_frozen_count_is_taken_at_install_and_on_demand_not_per_statistics_call(policy, monkeypatch):
+    assert policy.statistics().frozen_objects > 0      # install counted them
+    counted = policy.count_frozen()
+    assert counted == gc.get_freeze_count()
+    more = [[i] for i in range(5_000)]
+    gc.collect()                                      # freezes the 5,000 lists
+    st = policy.statistics()
+    assert st.frozen_objects == counted               # not recounted: a walk of everything frozen
+    assert 0.0 <= st.frozen_counted_s_ago < gcpolicy.FROZEN_COUNT_MAX_AGE_S
+    assert policy.count_frozen() >= counted + len(more)
+    assert policy.statistics().frozen_objects >= counted + len(more)
+    del more
+    monkeypatch.setattr(gcpolicy, "FROZEN_COUNT_MAX_AGE_S", -1.0)   # every count is too old
+    assert policy.statistics().frozen_objects == gc.get_freeze_count()
 
 
 def test_frozen_objects_freed_by_reference_count_leave_the_frozen_count():
