@@ -264,3 +264,51 @@ def test_checkpoint_state_refuses_malformed_rows(key, bad):
 def test_schema_exports_the_record_types_and_the_format_version():
     assert schema.FORMAT_VERSION == 2 and schema.READABLE_VERSIONS == (1, 2)
     assert schema.RECORD_TYPES == (Make, Link, Remove, Move, Attrs, Content)
+
+
+# The mount's fast inode-row check must accept exactly what the field-by-field
+# check (the one with the messages) accepts.
+def _rows_to_judge():
+    valid = [
+        InodeRow(1, stat.S_IFDIR | 0o755, 0, 0, 3, 0, T, T, T, [1, [[b"d", 17], [b"f", 18]]]),
+        InodeRow(17, stat.S_IFDIR | 0o700, 5, 6, 2, 0, T, T, T, [1, []]),
+        InodeRow(18, stat.S_IFREG | 0o640, 1000, 1001, 1, 0, T, T + 1, T + 2, [4096, [KEY_A, None, KEY_B]]),
+        InodeRow(19, stat.S_IFLNK | 0o777, 0, 0, 1, 0, -T, T, T, b"target"),
+        InodeRow(20, stat.S_IFIFO | 0o600, 0, 0, 1, 0, T, T, T, None),
+        InodeRow(21, stat.S_IFCHR | 0o600, 0, 0, 1, (1 << 64) - 1, T, T, T, None),
+    ]
+    bad_scalars = [None, -1, True, 1 << 64, b"1", "1", 1.0, [1]]
+    fields = ["ino", "mode", "uid", "gid", "nlink", "rdev", "atime", "mtime", "ctime"]
+    extra = {"ino": [0, 2, 15, 16], "mode": [0o177777 + 1, 0o170000 | 0o644, stat.S_IFREG | 0o644,
+                                              stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777],
+             "uid": [1 << 32, (1 << 32) - 1], "nlink": [1 << 32], "atime": [1 << 63, -(1 << 63)]}
+    payloads = [None, b"", b"x", [], [1], [1, 2], [1, []], [1, [None]], [-1, []], [1 << 63, []],
+                [(1 << 63) - 1, [KEY_A]], [4096, [b"short"]], [4096, [KEY_A + b"x"]], [4096, (KEY_A,)],
+                [1, [[b"a", 17], [b"a", 18]]], [1, [[b"a/b", 17]]], [1, [[b".", 17]]], [1, [[b"..", 17]]],
+                [1, [[b"a\0", 17]]], [1, [[b"x" * 256, 17]]], [1, [[b"x" * 255, 17]]], [1, [[b"a", 3]]],
+                [1, [[b"a", 17, 1]]], [1, [b"a"]], [1, [["a", 17]]], [2, []], [16, []], [True, []],
+                (1, ()), "target"]
+    for row in valid:
+        yield row
+        for name in fields:
+            for value in bad_scalars + extra.get(name, []):
+                yield dataclasses.replace(row, **{name: value})
+        for payload in payloads:
+            yield dataclasses.replace(row, payload=payload)
+
+
+def test_the_fast_inode_row_check_agrees_with_the_explaining_one():
+    from kvfs.schema import validate
+    judged = {True: 0, False: 0}
+    for row in _rows_to_judge():
+        try:
+            validate._explain_inode_row(row)
+            explained_ok = True
+        except FormatError:
+            explained_ok = False
+        assert validate._inode_row_is_valid(row) is explained_ok, row
+        judged[explained_ok] += 1
+        if not explained_ok:
+            with pytest.raises(FormatError, match="invalid"):
+                validate._inode_row(row)
+    assert judged[True] >= 20 and judged[False] >= 200, judged
