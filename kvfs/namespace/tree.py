@@ -97,6 +97,7 @@ class Tree:
         With ``consume`` (mount) each row is dropped from ``state.inodes`` once
         it is an Inode, so the rows and the tree are not both in memory whole.
         """
+        assert self._cut is None and not self.inodes and not self.content.built, "load builds a new tree"
         self.next_ino = state.next_ino
         rows = state.inodes
         for i, row in enumerate(rows):
@@ -122,26 +123,47 @@ class Tree:
                 skipped += 1
         self._drop_provisional()
         self.pinned &= self.inodes.keys()
-        for directory in [i for i in self.inodes.values() if i.is_dir]:
-            for name, (child, _) in directory.entries.by_name.items():
-                node = self.inodes.get(child)
-                if node is not None and node.names is not None:
-                    add_name(node, (directory.ino, name))
-        self._meta_bytes = sum(self._inode_cost(i) for i in self.inodes.values())
-        self._recount()
-        self.loading = False
-        for inode in self.inodes.values():
-            if inode.is_file:
+        self._finish_load()
+        return skipped
+
+    def _finish_load(self):
+        """One pass over the loaded inodes: eviction's names, the running counts, live file data.
+
+        One pass, not one per purpose: at a million inodes each pass over them
+        costs a remount about a second.
+        """
+        S_ISDIR, S_ISREG = stat.S_ISDIR, stat.S_ISREG
+        inodes, cost_of = self.inodes, self._inode_cost
+        stored_key, domain_of, attach = self.blocks.stored_key, self.blocks.domain_of, self.blocks.attach
+        meta = files = dirs = committed_bytes = 0
+        for inode in inodes.values():
+            meta += cost_of(inode)
+            mode = inode.mode
+            if S_ISDIR(mode):
+                dirs += 1
+                ino = inode.ino
+                for name, (child, _) in inode.entries.by_name.items():
+                    node = inodes.get(child)
+                    if node is not None and node.names is not None:
+                        add_name(node, (ino, name))
+            elif S_ISREG(mode):
+                files += 1
+                committed_bytes += inode.size_committed
                 # The index's key objects, not the copies decoded with this row:
                 # one 16-byte key object per block instead of two.
-                present = [None if k is None else self.blocks.stored_key(k) for k in inode.committed]
-                inode.committed = [p if p is not None else k for p, k in zip(present, inode.committed)]
-                inode.data = FileData(inode.size_committed, present, self.blocks.domain_of(inode.uid))
-                if present != inode.committed:
+                committed = inode.committed
+                present = [None if k is None else stored_key(k) for k in committed]
+                if present == committed:
+                    inode.committed = list(present)
+                else:
+                    inode.committed = [p if p is not None else k for p, k in zip(present, committed)]
+                inode.data = FileData(inode.size_committed, present, domain_of(inode.uid))
+                if present != committed:
                     log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                     inode.data.failed = CorruptBlock
-                self.blocks.attach(inode.data)
-        return skipped
+                attach(inode.data)
+        self._meta_bytes, self.file_count, self.dir_count, self.committed_bytes = meta, files, dirs, committed_bytes
+        self.loading = False
 
     def _recount(self):
         """The running counts from scratch (after load; tests compare the two)."""
@@ -157,12 +179,17 @@ class Tree:
         atime = mtime if row.atime == mtime else row.atime
         ctime = mtime if row.ctime == mtime else row.ctime
         inode.nlink, inode.atime, inode.mtime, inode.ctime = row.nlink, atime, mtime, ctime
-        if inode.is_dir:
+        if stat.S_ISDIR(row.mode):
             inode.parent = row.parent
+            add = inode.entries.add
             for name, child in row.entries:
-                inode.entries.add(name, child)
-        elif inode.is_file:
-            self._set_committed(inode, row.size, list(row.keys))
+                add(name, child)
+        elif stat.S_ISREG(row.mode):
+            # What _set_committed does, less what load does not need: no cut is
+            # taken and the content index is not built yet, and _finish_load
+            # counts the metadata and the committed bytes afresh.
+            inode.committed = list(row.keys)
+            inode.size_committed = row.size
         elif stat.S_ISLNK(row.mode):
             inode.target = row.payload
         self.inodes[row.ino] = inode
