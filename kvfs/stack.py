@@ -15,6 +15,7 @@ from .blockcache import BlockCache
 from .blockindex import BlockIndex
 from .device import Device
 from .errors import DeviceFailed, FormatError, KvfsError
+from .gcpolicy import collections_paused
 from .namespace import Namespace, Tree
 from .store import ExtentStore
 
@@ -108,26 +109,31 @@ class IndexRefs:
 
 
 def check_mountable(path, options, mmp):
-    """What mount.kvfs checks before it forks the daemon, reading only: the superblock,
-    checkpoint and journal (decoded and validated, as the daemon will load them) and
-    that no live owner holds the multi-mount protection record.
+    """What mount.kvfs checks before it forks the daemon, reading only: the
+    superblock, the checkpoints' checksums, the journal, and that no live owner
+    holds the multi-mount protection record (ExtentStore.probe).
 
-    The namespace is not built here: the daemon does that once, while its claim
-    waits, and what it would refuse the store-level load refuses first."""
+    The checkpoint payload is decoded and validated once, by the daemon, while
+    its claim waits; what it refuses comes back to mount.kvfs as the same one
+    line (kvfs/cli/mount.py, daemonize). Decoding it here too cost a remount
+    about a third of its time (1.5 s at 100,000 files on a slow VM). So a
+    checkpoint that passes its checksum but does not decode (a crafted store)
+    is refused after the daemon has written its claim to the MMP sector."""
     device = _open_device_for(path, options, readonly=True)
     try:
-        ExtentStore.open(device, mmp=mmp, claim=False)
+        ExtentStore.probe(device, mmp)
     finally:
         device.close()
 
 
 def load_tree(device, *, salvage=False, now=time.time_ns):
     """(store, index, tree, what loading found, records skipped) of the store on ``device``, for fsck."""
-    store = ExtentStore.open(device, salvage=salvage)
-    loaded = store.loaded
-    index = BlockIndex(store)
-    tree = Tree(IndexRefs(index), now)
-    skipped = _replay(store, index, lambda state, records: tree.load(state, records, skip_failures=salvage))
+    with collections_paused():          # as in Filesystem.open
+        store = ExtentStore.open(device, salvage=salvage)
+        loaded = store.loaded
+        index = BlockIndex(store)
+        tree = Tree(IndexRefs(index), now)
+        skipped = _replay(store, index, lambda state, records: tree.load(state, records, skip_failures=salvage))
     return store, index, tree, loaded, skipped
 
 
@@ -156,22 +162,27 @@ class Filesystem:
         try:
             if not readonly:            # warnings go to the daemon's log, once (not mount.kvfs's check)
                 _warn_if_readable_by_others(path)
-            store = ExtentStore.open(device, mmp=mmp, claim=not readonly)
-            if not readonly:
-                store.reserve_metadata_space()
-            index = BlockIndex(store, dedup_groups=getattr(options, "dedup_groups", None),
-                               dedup_verify=getattr(options, "dedup_verify", False))
-            if not store.key_secret and not readonly:
-                log.warning("format version 1 store: dedup is shared by all users (no key secret); "
-                            "a version 2 store (mkfs.kvfs) keeps each user's blocks apart")
-            cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
-                               read_depth=options.read_depth, flush_workers=options.flush_workers)
-            namespace = Namespace(cache, now=now,
-                                  eviction_policy=getattr(options, "eviction_policy", "s3fifo"),
-                                  high_watermark=getattr(options, "high_watermark", 0.9),
-                                  low_watermark=getattr(options, "low_watermark", 0.8))
-            replayed = store.loaded.replay_report
-            _replay(store, index, namespace.load, consume=True)
+            # Loading makes a few objects per file and frees none of them: the
+            # collector would walk the growing heap again and again for nothing
+            # (a third of a remount's time at 100,000 files). The daemon then
+            # freezes what was loaded (kvfs/gcpolicy.py), so no collection walks it.
+            with collections_paused():
+                store = ExtentStore.open(device, mmp=mmp, claim=not readonly)
+                if not readonly:
+                    store.reserve_metadata_space()
+                index = BlockIndex(store, dedup_groups=getattr(options, "dedup_groups", None),
+                                   dedup_verify=getattr(options, "dedup_verify", False))
+                if not store.key_secret and not readonly:
+                    log.warning("format version 1 store: dedup is shared by all users (no key secret); "
+                                "a version 2 store (mkfs.kvfs) keeps each user's blocks apart")
+                cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
+                                   read_depth=options.read_depth, flush_workers=options.flush_workers)
+                namespace = Namespace(cache, now=now,
+                                      eviction_policy=getattr(options, "eviction_policy", "s3fifo"),
+                                      high_watermark=getattr(options, "high_watermark", 0.9),
+                                      low_watermark=getattr(options, "low_watermark", 0.8))
+                replayed = store.loaded.replay_report
+                _replay(store, index, namespace.load, consume=True)
             return cls(device, store, index, cache, namespace, replayed)
         except BaseException:
             if store is not None:

@@ -132,6 +132,17 @@ class ExtentStore:
         store.mmp, store.mmp_note = guard, note
         return store
 
+    @staticmethod
+    def probe(device, mmp):
+        """What mount.kvfs checks before it forks the daemon, reading only: Busy if a
+        live owner holds the MMP record; FormatError if the superblock, either
+        checkpoint's checksum or the journal says the store must not be mounted.
+        The checkpoint payload is not decoded (see :func:`~kvfs.store.loader.load`)."""
+        sb = read_superblock(device)
+        if sb.has_mmp:
+            mmp_protocol.probe(device, sb, mmp)
+        load(device, decode_checkpoint=False)
+
     # -- multi-mount protection ---------------------------------------------
     @property
     def fenced(self):

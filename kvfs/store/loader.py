@@ -23,10 +23,15 @@ JOURNAL_READ_WINDOW = 4 << 20
 FIRST_INO = 16                  # schema: 0..15 are reserved
 
 
-def load(device, *, salvage=False):
-    """A :class:`Loaded` store; FormatError with the reason if it must not be mounted."""
+def load(device, *, salvage=False, decode_checkpoint=True):
+    """A :class:`Loaded` store; FormatError with the reason if it must not be mounted.
+
+    Without ``decode_checkpoint`` (mount.kvfs's check before it forks the daemon)
+    the checkpoint slots are read and their checksums verified, but the payload
+    is not decoded: ``state`` stays None. Decoding is most of a remount's store
+    load, and the daemon does it once anyway."""
     loaded = Loaded(device, read_superblock(device), salvage)
-    loaded._load_checkpoint()
+    loaded._load_checkpoint(decode=decode_checkpoint)
     loaded._load_journal()
     if salvage:
         loaded._scan_journal_generations()
@@ -108,7 +113,7 @@ class Loaded:
             return generation, None
         return generation, payload
 
-    def _load_checkpoint(self):
+    def _load_checkpoint(self, decode=True):
         found = {slot: self._read_slot(slot) for slot in (0, 1)}
         valid = [(got[0], slot, got[1]) for slot, got in found.items() if got and got[1] is not None]
         if not valid:
@@ -127,6 +132,8 @@ class Loaded:
                 else:
                     log.warning("checkpoint slot %s (generation %s, older than the one in use) is damaged; "
                                 "the next checkpoint overwrites it", "AB"[slot], got[0])
+        if not decode:
+            return
         try:
             wire = msgpack.unpackb(payload, strict_map_key=False)
         except Exception as exc:
