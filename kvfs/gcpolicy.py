@@ -165,3 +165,19 @@ def collections_paused():
             _pauses -= 1
             if _pauses == 0 and _resume:
                 gc.enable()
+
+
+@contextlib.contextmanager
+def frozen_when_loaded():
+    """Collections paused inside, and what exists at the end frozen: the daemon's load.
+
+    With collections paused, every object the load made is still in the youngest
+    generation when they resume, so the first collection after it would walk
+    them all (0.27 s at 100,000 files, measured at mount). Frozen first, none
+    is walked; the daemon's policy then freezes the survivors of each full
+    collection as usual.
+    """
+    with collections_paused():
+        yield
+        gc.freeze()
+

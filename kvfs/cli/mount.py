@@ -13,6 +13,7 @@ import trio
 from .. import crashpoints
 from ..blockindex import DedupDomains
 from ..daemon import Daemon, Filesystem, MountOptions
+from ..gcpolicy import frozen_when_loaded
 from ..stack import check_mountable
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
 from ..namespace.policy import POLICIES
@@ -217,7 +218,8 @@ def mmp_settings(options):
 
 
 def run_daemon(device, mountpoint, options, ready, settings=None):
-    fs = Filesystem.open(device, options, mmp=settings or mmp_settings(options))
+    with frozen_when_loaded():          # see kvfs/gcpolicy.py
+        fs = Filesystem.open(device, options, mmp=settings or mmp_settings(options))
     try:
         logging.getLogger(__name__).info("mounted %s at %s (journal replay: %s)",
                                          device, mountpoint, fs.replayed)

@@ -157,3 +157,17 @@ def test_release_in_pieces_empties_lists_and_frees_what_only_they_held():
     gcpolicy.release_in_pieces(rows, other, [])
     assert rows == [] and other == []
     assert watched() is None                         # freed by reference counting, no collection
+
+
+def test_frozen_when_loaded_pauses_collections_then_freezes_what_the_load_made():
+    assert gc.isenabled()
+    frozen_before = gc.get_freeze_count()
+    try:
+        with gcpolicy.frozen_when_loaded():
+            assert not gc.isenabled()
+            loaded = [[i] for i in range(10_000)]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen_before + len(loaded)
+        assert tracked_in_generations() < 1_000     # the first collection after it walks none of them
+    finally:
+        gc.unfreeze()
