@@ -45,10 +45,11 @@ always.
 import contextlib
 import dataclasses
 import gc
-import threading
 import time
 
 import trio
+
+from .nested import NestedSetting
 
 
 @dataclasses.dataclass
@@ -144,27 +145,19 @@ async def release_off_loop(*containers, limiter=None):
     with trio.CancelScope(shield=True):
         await trio.to_thread.run_sync(release_in_pieces, *containers, limiter=limiter)
 
-_pause_lock = threading.Lock()
-_pauses = 0
-_resume = False                 # whether the last pause ends by enabling the collector again
+def _set_collector(enabled):
+    if enabled:
+        gc.enable()
+    else:
+        gc.disable()
 
 
-@contextlib.contextmanager
+_collector = NestedSetting(gc.isenabled, _set_collector, lambda was_enabled: False)
+
+
 def collections_paused():
     """No automatic garbage collection inside (nests; any thread). See the module's doc."""
-    global _pauses, _resume
-    with _pause_lock:
-        if _pauses == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _pauses += 1
-    try:
-        yield
-    finally:
-        with _pause_lock:
-            _pauses -= 1
-            if _pauses == 0 and _resume:
-                gc.enable()
+    return _collector.held()
 
 
 @contextlib.contextmanager

@@ -14,30 +14,16 @@ LOOP_FIRST_INTERVAL; it goes back to what it was when the last such section
 ends. The worker is then interrupted more often, but only while another thread
 wants the GIL: an idle loop costs it nothing.
 """
-import contextlib
 import sys
-import threading
+
+from .nested import NestedSetting
 
 LOOP_FIRST_INTERVAL = 0.0005     # seconds
 
-_lock = threading.Lock()
-_sections = 0
-_restore = None                  # the switch interval before the first section
+_switch_interval = NestedSetting(sys.getswitchinterval, sys.setswitchinterval,
+                                 lambda was: min(was, LOOP_FIRST_INTERVAL))
 
 
-@contextlib.contextmanager
 def loop_first():
     """A lower switch interval inside (nests; any thread). See the module's doc."""
-    global _sections, _restore
-    with _lock:
-        if _sections == 0:
-            _restore = sys.getswitchinterval()
-            sys.setswitchinterval(min(_restore, LOOP_FIRST_INTERVAL))
-        _sections += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _sections -= 1
-            if _sections == 0:
-                sys.setswitchinterval(_restore)
+    return _switch_interval.held()

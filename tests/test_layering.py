@@ -31,7 +31,7 @@ from kvfs.store.mkfs import make_filesystem
 
 KVFS = Path(__file__).resolve().parent.parent / "kvfs"
 LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuseops"]   # lowest first
-GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "schema"}
+GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "nested", "schema"}
 ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device"}      # the fault-injecting device wraps the device
 

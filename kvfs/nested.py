@@ -1,0 +1,36 @@
+"""A process-wide setting changed while any of several sections, in any thread, is inside.
+
+The daemon changes two settings this way: the cyclic collector is off while
+a checkpoint or a load runs (kvfs/gcpolicy.py, ``collections_paused``) and
+the switch interval is short while worker threads run Python next to the
+event loop (kvfs/gilpolicy.py, ``loop_first``). Sections nest and overlap
+across threads, so the first one to enter saves the setting and changes it,
+the others only count, and the last one to leave restores what was saved.
+"""
+import contextlib
+import threading
+
+
+class NestedSetting:
+    """``read()`` the setting, ``write(value)`` it; ``inside(saved)`` is its value inside."""
+
+    def __init__(self, read, write, inside):
+        self._read, self._write, self._inside = read, write, inside
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = None
+
+    @contextlib.contextmanager
+    def held(self):
+        with self._lock:
+            if self._depth == 0:
+                self._saved = self._read()
+                self._write(self._inside(self._saved))
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._write(self._saved)
