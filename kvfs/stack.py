@@ -17,7 +17,7 @@ from .device import Device
 from .errors import DeviceFailed, FormatError, KvfsError
 from .gcpolicy import collections_paused
 from .namespace import Namespace, Tree
-from .store import ExtentStore
+from .store import ExtentStore, probe_mountable
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class IndexRefs:
 def check_mountable(path, options, mmp):
     """What mount.kvfs checks before it forks the daemon, reading only: the
     superblock, the checkpoints' checksums, the journal, and that no live owner
-    holds the multi-mount protection record (ExtentStore.probe).
+    holds the multi-mount protection record (store.probe_mountable).
 
     The checkpoint payload is decoded and validated once, by the daemon, while
     its claim waits; what it refuses comes back to mount.kvfs as the same one
@@ -121,7 +121,7 @@ def check_mountable(path, options, mmp):
     is refused after the daemon has written its claim to the MMP sector."""
     device = _open_device_for(path, options, readonly=True)
     try:
-        ExtentStore.probe(device, mmp)
+        probe_mountable(device, mmp)
     finally:
         device.close()
 

@@ -41,10 +41,10 @@ from .encoding import packb_in_pieces
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
 from .mmp import MmpSettings
-from .opening import claim_and_load
+from .opening import claim_and_load, probe_mountable
 from .opening import release_quietly as _release_quietly
 
-__all__ = ["Allocator", "ExtentStore", "MmpSettings", "StoreStatistics", "read_superblock"]
+__all__ = ["Allocator", "ExtentStore", "MmpSettings", "StoreStatistics", "probe_mountable", "read_superblock"]
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +131,6 @@ class ExtentStore:
             raise
         store.mmp, store.mmp_note = guard, note
         return store
-
-    @staticmethod
-    def probe(device, mmp):
-        """What mount.kvfs checks before it forks the daemon, reading only: Busy if a
-        live owner holds the MMP record; FormatError if the superblock, either
-        checkpoint's checksum or the journal says the store must not be mounted.
-        The checkpoint payload is not decoded (see :func:`~kvfs.store.loader.load`)."""
-        sb = read_superblock(device)
-        if sb.has_mmp:
-            mmp_protocol.probe(device, sb, mmp)
-        load(device, decode_checkpoint=False)
 
     # -- multi-mount protection ---------------------------------------------
     @property

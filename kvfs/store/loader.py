@@ -10,6 +10,7 @@ still apply, and ``highest_generation`` is the newest generation seen
 anywhere, which a repair checkpoint must exceed.
 """
 import logging
+import operator
 
 import msgpack
 import xxhash
@@ -370,7 +371,9 @@ def check_extents(sb, state):
             raise FormatError(f"free extent at {off} (+{length}) lies outside the data region or is "
                               f"not sector-aligned: the checkpoint's space map is corrupt: run fsck.kvfs")
         extents.append((off, length, None))
-    extents.sort(key=lambda e: (e[0], e[1]))
+    # By offset alone (any two extents at one offset overlap, whatever their
+    # lengths): an int key per extent, not a tuple, and the sort is stable.
+    extents.sort(key=operator.itemgetter(0))
     for (off, length, what), (next_off, _, next_what) in zip(extents, extents[1:]):
         if off + length > next_off:
             raise FormatError(f"{_extent_name(what)} at {off} overlaps {_extent_name(next_what)} at "

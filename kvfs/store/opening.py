@@ -27,7 +27,8 @@ import threading
 from .. import schema
 from ..errors import KvfsError
 from .mmp import claim as claim_record
-from .loader import load
+from .mmp import probe as probe_record
+from .loader import load, read_superblock
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +96,15 @@ def claim_and_load(device, sb, settings, *, salvage=False):
     except BaseException:
         release_quietly(guard)
         raise
+
+
+def probe_mountable(device, mmp):
+    """What mount.kvfs checks before it forks the daemon, reading only: Busy if a
+    live owner holds the MMP record; FormatError if the superblock, either
+    checkpoint's checksum or the journal says the store must not be mounted.
+    The checkpoint payload is not decoded (see :func:`~kvfs.store.loader.load`)."""
+    sb = read_superblock(device)
+    if sb.has_mmp:
+        probe_record(device, sb, mmp)
+    load(device, decode_checkpoint=False)
+
