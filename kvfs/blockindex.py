@@ -196,9 +196,15 @@ class BlockIndex:
     # -- state ------------------------------------------------------------
     def load(self, blocks, *, consume=False):
         """Enter the checkpoint's BlockRows (dropped from ``blocks`` as they go with ``consume``)."""
+        # msgpack decodes every length and domain into an int object of its own
+        # (28-36 bytes; only -5..256 are shared): most blocks have one of a few
+        # lengths and domains, so each entry takes the first equal object seen.
+        share = {}.setdefault
         for i, row in enumerate(blocks):
-            self.entries[row.key] = BlockEntry(row.off, row.length, row.refs, domain=row.domain, key=row.key)
-            self.used_bytes += align_up(row.length)
+            length = share(row.length, row.length)
+            self.entries[row.key] = BlockEntry(row.off, length, row.refs, domain=share(row.domain, row.domain),
+                                               key=row.key)
+            self.used_bytes += align_up(length)
             if consume:
                 blocks[i] = None
 

@@ -100,8 +100,9 @@ class Tree:
         assert self._cut is None and not self.inodes and not self.content.built, "load builds a new tree"
         self.next_ino = state.next_ino
         rows = state.inodes
+        share = {}.setdefault           # see _load_inode
         for i, row in enumerate(rows):
-            self._load_inode(row)
+            self._load_inode(row, share)
             if consume:
                 rows[i] = None
         for ino in state.provisional:
@@ -171,8 +172,12 @@ class Tree:
         self.file_count, self.committed_bytes = len(files), sum(i.size_committed for i in files)
         self.dir_count = sum(1 for i in self.inodes.values() if i.is_dir)
 
-    def _load_inode(self, row):
-        inode = Inode(row.ino, row.mode, row.uid, row.gid, row.rdev)
+    def _load_inode(self, row, share):
+        # msgpack decodes every int above 256 into an object of its own (28
+        # bytes): modes, owners and sizes repeat across files, so each inode
+        # takes the first equal object seen (``share`` is a dict's setdefault).
+        inode = Inode(row.ino, share(row.mode, row.mode), share(row.uid, row.uid), share(row.gid, row.gid),
+                      row.rdev)
         # Equal timestamps share one int object (48 bytes each): a file
         # written once has mtime == ctime, and often atime too.
         mtime = row.mtime
@@ -189,7 +194,7 @@ class Tree:
             # taken and the content index is not built yet, and _finish_load
             # counts the metadata and the committed bytes afresh.
             inode.committed = list(row.keys)
-            inode.size_committed = row.size
+            inode.size_committed = share(row.size, row.size)
         elif stat.S_ISLNK(row.mode):
             inode.target = row.payload
         self.inodes[row.ino] = inode

@@ -48,4 +48,10 @@ def test_a_remounted_file_shares_its_block_keys_with_the_index(tmp_path):
         assert inode.data.blocks[0] is key
         # Written after it was made: mtime == ctime, one int object for both.
         assert inode.ctime == inode.mtime and inode.ctime is inode.mtime
+    # Every file has the same mode and size (4096: above the ints Python
+    # shares itself), and every block the same length: one object each.
+    assert len({id(i.mode) for i in files}) == 1 and len({id(i.size_committed) for i in files}) == 1
+    assert files[0].size_committed == 4096
+    lengths = {id(e.length) for e in fs.index.entries.values()}
+    assert len(fs.index.entries) == FILES and len(lengths) == 1
     close_and_check(fs)
