@@ -154,12 +154,11 @@ class Tree:
                 # one 16-byte key object per block instead of two.
                 committed = inode.committed
                 present = [None if k is None else stored_key(k) for k in committed]
-                if present == committed:
-                    inode.committed = list(present)
-                else:
-                    inode.committed = [p if p is not None else k for p, k in zip(present, committed)]
+                missing = present != committed
+                inode.committed = ([p if p is not None else k for p, k in zip(present, committed)] if missing
+                                   else list(present))
                 inode.data = FileData(inode.size_committed, present, domain_of(inode.uid))
-                if present != committed:
+                if missing:
                     log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                     inode.data.failed = CorruptBlock
                 attach(inode.data)
@@ -167,7 +166,7 @@ class Tree:
         self.loading = False
 
     def _recount(self):
-        """The running counts from scratch (after load; tests compare the two)."""
+        """The running counts from scratch (tests compare them with the kept ones; load counts in _finish_load)."""
         files = [i for i in self.inodes.values() if i.is_file]
         self.file_count, self.committed_bytes = len(files), sum(i.size_committed for i in files)
         self.dir_count = sum(1 for i in self.inodes.values() if i.is_dir)
