@@ -23,6 +23,7 @@ from .fuseops import KvfsOperations
 from .gcpolicy import FreezeAfterFullCollections
 from .metrics import MetricsServer
 from .opsstats import OpsStats
+from .pagedrops import KernelPageDropper
 from .sdnotify import Notifier
 from .stack import Filesystem
 
@@ -90,6 +91,7 @@ class Daemon:
         self._stopping = False
         self._gc = FreezeAfterFullCollections()
         self._commands_running = 0
+        self._page_dropper = None
 
     def stats(self):
         stats = self._ops_stats.extend(self.fs.stats())
@@ -99,6 +101,8 @@ class Daemon:
         stats["gc_frozen_objects"] = gc_stats.frozen_objects
         stats["gc_frozen_counted_s_ago"] = gc_stats.frozen_counted_s_ago
         stats["control_commands_running"] = self._commands_running
+        if self._page_dropper is not None:
+            stats.update(dataclasses.asdict(self._page_dropper.statistics()))
         return stats
 
     async def command(self, text):
@@ -163,6 +167,7 @@ class Daemon:
             fuse_options.add("allow_other")
         ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
         pyfuse3.init(ops, self.mountpoint, fuse_options)
+        ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:

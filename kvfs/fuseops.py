@@ -80,6 +80,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._dir_handles = {}
         self._next_dir_fh = 1
         self._results = {}               # caller pid -> JSON answer of its last control command
+        self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/pagedrops.py)
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -213,7 +214,13 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def write(self, fh, off, buf):
-        return await self.ns.write(fh, off, buf)
+        written = await self.ns.write(fh, off, buf)
+        # Pages a read may have refetched with older bytes while the kernel was
+        # copying this write into them (kvfs/namespace/pagecache.py).
+        ino, stale = await self.ns.stale_kernel_pages(fh, off, written)
+        if stale and self.page_dropper is not None:
+            await self.page_dropper.drop(ino, stale)
+        return written
 
     async def flush(self, fh):
         # close() returns at memory speed: data is written back in the background,

@@ -83,6 +83,13 @@ METRICS = {
     "rss_bytes": ("kvfs_daemon_rss_bytes", GAUGE, "Resident memory of the kvfs daemon."),
     "control_commands_running": ("kvfs_control_commands_running", GAUGE,
                                  "kvfs-admin commands (flush, checkpoint, evict, ...) the daemon is running."),
+    "kernel_page_drops": ("kvfs_kernel_page_drops_total", COUNTER,
+                          "Page ranges dropped from the kernel's cache before a WRITE's reply, because a read "
+                          "raced an O_RDWR writer's copy (kvfs/namespace/pagecache.py)."),
+    "kernel_page_drops_late": ("kvfs_kernel_page_drops_late_total", COUNTER,
+                               "Of those, drops still waiting for a page lock when the reply went out."),
+    "kernel_page_drops_failed": ("kvfs_kernel_page_drops_failed_total", COUNTER,
+                                 "Page drops the kernel refused (each is logged)."),
     "gc_full_collections": ("kvfs_gc_full_collections_total", COUNTER,
                             "Full (generation-2) Python garbage collections in the daemon."),
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,

@@ -16,7 +16,7 @@ a GETATTR reply with a new mtime) between its copy into them and its WRITE, and
 a reader caching the daemon's older bytes in their place. With only the open
 half of the fix, one in 560,808 (the GETATTR drop); with all of it, one in
 818,143 (400 s and 700 s), by windows kvfs cannot close from the daemon.
-See docs/reliability.md, "Concurrency", "What is left".
+See docs/reliability.md, "Concurrency": "The drops kvfs cannot foresee, repaired".
 """
 import os, sys, threading, time, tempfile, random
 sys.path.insert(0, "tests")

@@ -33,7 +33,8 @@ KVFS = Path(__file__).resolve().parent.parent / "kvfs"
 LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuseops"]   # lowest first
 GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "nested", "schema"}
 ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
-EXTRA_LAYER_MODULES = {"faults": "device"}      # the fault-injecting device wraps the device
+EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
+                       "pagedrops": "fuseops"}    # kernel page drops, sent from the FUSE layer
 
 
 def top_package(module):

@@ -377,6 +377,8 @@ class Namespace(Durability, KernelPages, TruncationWindow):
         direct_io, page_writer, keep = self._page_cache_mode(inode, flags, writable)
         self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged,
                                   page_writer=page_writer)
+        if page_writer:
+            self._page_writer_opened(self.handles[fh])
         inode.opens += 1
         if writable:
             inode.writers += 1
@@ -413,7 +415,10 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             raise BadDescriptor() from None
 
     async def read(self, fh, off, size):
-        return await self.cache.read(self._read_source(fh), off, size)
+        reads = self.handle(fh).inode.page_reads
+        if reads is None:
+            return await self.cache.read(self._read_source(fh), off, size)
+        return await self._read_under_page_writers(reads, self._read_source(fh), off, size)
 
     async def write(self, fh, off, data):
         h = self.handle(fh)

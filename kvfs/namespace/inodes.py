@@ -177,6 +177,7 @@ class Inode:
     sealing = _rare("sealing", False)
     provisional = _rare("provisional", False)      # created, no content record yet (see module doc)
     pre_truncate = _rare("pre_truncate", None)     # (old content, truncating fh): see namespace/truncation.py
+    page_reads = _rare("page_reads", None)         # ReadsUnderPageWriters while page_writers: namespace/pagecache.py
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self._rare = None
@@ -245,3 +246,4 @@ class Handle:
     view: bool = False
     kill_suid: bool = False      # a direct_io writer without CAP_FSETID: its writes drop set-ID bits
     page_writer: bool = False    # writes through the kernel's page cache (not direct_io)
+    pages_read: tuple = None     # page_writer: (first, last) pages read by anyone since its last reply

@@ -39,12 +39,50 @@ at once, or a descriptor opened O_RDWR only to fsync) ends that until the
 page-cache writers have closed: the kernel did not update its pages for the
 direct write, so opens must drop them again and the mtime must show.
 
-Two narrow windows stay open (docs/reliability.md, "What is left"): a GETATTR
-reply the kernel ignored leaves it an older mtime than the one held back, and
-an open answered just before the writer's drops the pages in the kernel after
-it. Closing them needs writeback_cache or explicit_inval_data.
+Those are the drops kvfs can foresee. Others it cannot: a GETATTR reply the
+kernel ignored leaves it an older mtime than the one held back, and an open
+answered just before the writer's drops the pages in the kernel after it
+(invalidate_inode_pages2; memory reclaim and posix_fadvise(DONTNEED) cannot
+drop them, the WRITE in flight holds a reference on each). So kvfs also
+repairs what such a drop leaves behind: **a READ that reaches the
+daemon between a page-cache writer's last reply and the daemon applying its
+next WRITE may have cached older bytes** of pages that WRITE covers (the
+kernel copied the new bytes, the pages were dropped, the READ refetched them).
+While a page-cache writer is open, every read of the file notes the pages it
+asked for on each such writer's handle (``ReadsUnderPageWriters``). A WRITE
+through that handle that finds pages noted, once applied, waits for the reads
+that began before it to end, and has the FUSE layer drop those pages from the
+kernel before it replies (:meth:`KernelPages.stale_kernel_pages`): the writer's
+next copy then lands in a page the kernel must read again from the daemon,
+which now has the bytes. (A READ that reached the daemon before the writer's
+last reply was sent before the writer's copy, and its pages were locked until
+its reply: the copy waited for it.)
+
+One page is special: the kernel keeps the last page of a WRITE locked until
+the reply when the WRITE does not cover it whole and it was not up to date, so
+dropping it before the reply would wait for itself. Such a page was not up to
+date, so no reader cached older bytes in it unless it was dropped twice in the
+window; it is dropped only if a noted read covered it, with a time limit
+(``LOCKED_PAGE_WAIT_S``) after which the reply goes out and the drop completes.
 """
 import os
+
+import trio
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+READS_SETTLE_WAIT_S = 5.0        # a WRITE waits this long at most for the reads that raced it
+
+
+class ReadsUnderPageWriters:
+    """The reads of one file while a page-cache writer has it open (``Inode.page_reads``)."""
+
+    __slots__ = ("started", "running", "ended", "writers")
+
+    def __init__(self):
+        self.started = 0                   # reads begun (their sequence numbers)
+        self.running = set()               # sequence numbers of the reads not yet answered
+        self.ended = None                  # a trio.Event while a WRITE waits for reads to end
+        self.writers = []                  # the page-cache writers' handles
 
 
 class KernelPages:
@@ -92,5 +130,63 @@ class KernelPages:
         inode = handle.inode
         if handle.page_writer:
             inode.page_writers -= 1
+            reads = inode.page_reads
+            if reads is not None and handle in reads.writers:
+                reads.writers.remove(handle)
             if not inode.page_writers:
                 inode.direct_writes_under_page_writers = False
+                inode.page_reads = None
+
+    # -- reads racing a page-cache writer's copy (see the module doc) -----------
+    def _page_writer_opened(self, handle):
+        inode = handle.inode
+        if inode.page_reads is None:
+            inode.page_reads = ReadsUnderPageWriters()
+        inode.page_reads.writers.append(handle)
+
+    async def _read_under_page_writers(self, reads, source, off, size):
+        reads.started += 1
+        seq = reads.started
+        reads.running.add(seq)
+        first, last = off // PAGE, (off + max(size, 1) - 1) // PAGE
+        for h in reads.writers:
+            noted = h.pages_read
+            h.pages_read = (first, last) if noted is None else (min(noted[0], first), max(noted[1], last))
+        try:
+            return await self.cache.read(source, off, size)
+        finally:
+            reads.running.discard(seq)
+            if reads.ended is not None:
+                reads.ended.set()
+                reads.ended = None
+
+    async def stale_kernel_pages(self, fh, off, size):
+        """After a WRITE of ``size`` bytes at ``off`` through ``fh`` is applied: what the
+        kernel must drop before the reply: (ino, [(first page, last page,
+        may_be_locked)...]), or (None, []) when no read raced the writer."""
+        h = self.handles.get(fh)
+        if h is None or not h.page_writer or h.pages_read is None or not size:
+            return None, []
+        (first, last), h.pages_read = h.pages_read, None
+        reads = h.inode.page_reads
+        if reads is not None:
+            begun = reads.started
+            with trio.move_on_after(READS_SETTLE_WAIT_S):
+                while any(seq <= begun for seq in reads.running):
+                    if reads.ended is None:
+                        reads.ended = trio.Event()
+                    await reads.ended.wait()
+        return h.inode.ino, pages_to_drop(first, last, off, size)
+
+
+def pages_to_drop(first, last, off, size):
+    """Split the pages [first, last] around the one page a WRITE of ``size`` bytes at
+    ``off`` may hold locked: its last page, unless the WRITE covers that whole."""
+    end = off + size
+    locked = (end - 1) // PAGE
+    if end % PAGE == 0 and off <= locked * PAGE:
+        locked = None                      # covered whole: the kernel marked it up to date
+    if locked is None or not first <= locked <= last:
+        return [(first, last, False)]
+    parts = [(first, locked - 1, False), (locked, locked, True), (locked + 1, last, False)]
+    return [p for p in parts if p[0] <= p[1]]

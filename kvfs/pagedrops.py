@@ -1,0 +1,105 @@
+"""Drop a range of pages from the kernel's page cache of one file (FUSE_NOTIFY_INVAL_INODE).
+
+Part of the FUSE layer: kvfs/fuseops.py calls it before it answers a WRITE
+that raced reads of the same file (kvfs/namespace/pagecache.py says why).
+
+pyfuse3.invalidate_inode can only drop a whole file, and a whole-file drop
+would wait for the one page the WRITE being answered may hold locked. So the
+notification goes to the FUSE device directly: one write() of a message whose
+layout is the kernel's ABI (include/uapi/linux/fuse.h, unchanged since Linux
+2.6.31)::
+
+    struct fuse_out_header            { u32 len; s32 error; u64 unique; }   unique 0, error = the code
+    struct fuse_notify_inval_inode_out { u64 ino; s64 off; s64 len; }
+
+The kernel handles it inside that write() (invalidate_inode_pages2_range),
+waiting for each page's lock, so it runs in a thread and the trio loop goes on
+answering the READs whose pages it waits for. A drop that may wait for the
+answer's own locked page gets a time limit; the thread finishes after the reply.
+"""
+import dataclasses
+import errno
+import logging
+import os
+import struct
+
+import trio
+
+log = logging.getLogger(__name__)
+
+FUSE_NOTIFY_INVAL_INODE = 2
+_OUT_HEADER = struct.Struct("<IiQ")
+_INVAL_INODE = struct.Struct("<QqQ")
+assert _OUT_HEADER.size == 16 and _INVAL_INODE.size == 24
+LOCKED_PAGE_WAIT_S = 0.5         # a page the WRITE itself may hold locked: reply after this at most
+UNLOCKED_WAIT_S = 10.0           # pages that only READs kvfs is answering can hold locked
+DROP_THREADS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PageDropStatistics:
+    kernel_page_drops: int           # ranges dropped before a WRITE's reply
+    kernel_page_drops_late: int      # drops still waiting for a page lock when the reply went out
+    kernel_page_drops_failed: int    # drops the kernel refused (logged)
+
+
+class KernelPageDropper:
+    """Sends page drops for the FUSE connection on ``fd`` (the daemon's /dev/fuse descriptor)."""
+
+    def __init__(self, fd, page_size=os.sysconf("SC_PAGE_SIZE")):
+        self.fd = fd
+        self.page_size = page_size
+        self._limiter = trio.CapacityLimiter(DROP_THREADS)
+        self._drops = 0
+        self._late = 0
+        self._failed = 0
+
+    @classmethod
+    def of_this_process(cls):
+        """The dropper for this process's one FUSE connection, or None (and a warning)."""
+        fds = []
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                    fds.append(int(name))
+            except OSError:
+                continue                   # the descriptor listdir itself used
+        if len(fds) != 1:
+            log.warning("found %d /dev/fuse descriptors, not one: reads racing an O_RDWR writer "
+                        "are not repaired", len(fds))
+            return None
+        return cls(fds[0])
+
+    def _send(self, ino, off, length):
+        body = _INVAL_INODE.pack(ino, off, length)
+        message = _OUT_HEADER.pack(_OUT_HEADER.size + len(body), FUSE_NOTIFY_INVAL_INODE, 0) + body
+        try:
+            os.write(self.fd, message)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # ENOENT: the kernel holds nothing of that inode
+                return exc
+        return None
+
+    async def drop(self, ino, ranges):
+        """Drop pages [first, last] of inode ``ino`` for each (first, last, may_be_locked)."""
+        for first, last, may_be_locked in ranges:
+            off, length = first * self.page_size, (last - first + 1) * self.page_size
+            limit = LOCKED_PAGE_WAIT_S if may_be_locked else UNLOCKED_WAIT_S
+            failed = None
+            with trio.move_on_after(limit) as waited:
+                failed = await trio.to_thread.run_sync(self._send, ino, off, length,
+                                                       limiter=self._limiter, abandon_on_cancel=True)
+            self._drops += 1
+            if failed is not None:
+                # The WRITE itself succeeded: it is answered as such, and the
+                # pages stay as the kernel has them.
+                self._failed += 1
+                log.warning("could not drop pages %d-%d of inode %d from the kernel: %s", first, last, ino, failed)
+            if waited.cancelled_caught:
+                self._late += 1
+                if not may_be_locked:
+                    log.warning("dropping pages %d-%d of inode %d from the kernel took over %.0f s",
+                                first, last, ino, limit)
+
+    def statistics(self):
+        return PageDropStatistics(self._drops, self._late, self._failed)
