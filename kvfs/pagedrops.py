@@ -14,8 +14,8 @@ layout is the kernel's ABI (include/uapi/linux/fuse.h, unchanged since Linux
 
 The kernel handles it inside that write() (invalidate_inode_pages2_range),
 waiting for each page's lock, so it runs in a thread and the trio loop goes on
-answering the READs whose pages it waits for. A drop that may wait for the
-answer's own locked page gets a time limit; the thread finishes after the reply.
+answering the READs whose pages it waits for. Every drop has a time limit
+(below); one that runs over finishes in its thread after the reply.
 """
 import dataclasses
 import errno
@@ -31,8 +31,13 @@ FUSE_NOTIFY_INVAL_INODE = 2
 _OUT_HEADER = struct.Struct("<IiQ")
 _INVAL_INODE = struct.Struct("<QqQ")
 assert _OUT_HEADER.size == 16 and _INVAL_INODE.size == 24
-LOCKED_PAGE_WAIT_S = 0.5         # a page the WRITE itself may hold locked: reply after this at most
-UNLOCKED_WAIT_S = 10.0           # pages that only READs kvfs is answering can hold locked
+# A drop waits for each page's lock and for its writeback. A page-cache
+# write's pages are neither (but the last, which the WRITE may hold locked),
+# unless the WRITE is a shared mapping's writeback (pyfuse3 does not say which
+# kind a WRITE is), whose pages stay under writeback until its reply. So every
+# drop has a limit, after which the reply goes out and the drop completes.
+LOCKED_PAGE_WAIT_S = 0.2         # the page the WRITE itself may hold locked
+UNLOCKED_WAIT_S = 0.2            # the others
 DROP_THREADS = 4
 
 
@@ -97,9 +102,6 @@ class KernelPageDropper:
                 log.warning("could not drop pages %d-%d of inode %d from the kernel: %s", first, last, ino, failed)
             if waited.cancelled_caught:
                 self._late += 1
-                if not may_be_locked:
-                    log.warning("dropping pages %d-%d of inode %d from the kernel took over %.0f s",
-                                first, last, ino, limit)
 
     def statistics(self):
         return PageDropStatistics(self._drops, self._late, self._failed)

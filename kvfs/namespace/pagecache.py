@@ -51,8 +51,8 @@ kernel copied the new bytes, the pages were dropped, the READ refetched them).
 While a page-cache writer is open, every read of the file notes the pages it
 asked for on each such writer's handle (``ReadsUnderPageWriters``). A WRITE
 through that handle that finds pages noted, once applied, waits for the reads
-that began before it to end, and has the FUSE layer drop those pages from the
-kernel before it replies (:meth:`KernelPages.stale_kernel_pages`): the writer's
+that began before it to end, and has the FUSE layer drop those of them it covers
+from the kernel before it replies (:meth:`KernelPages.stale_kernel_pages`): the writer's
 next copy then lands in a page the kernel must read again from the daemon,
 which now has the bytes. (A READ that reached the daemon before the writer's
 last reply was sent before the writer's copy, and its pages were locked until
@@ -62,8 +62,8 @@ One page is special: the kernel keeps the last page of a WRITE locked until
 the reply when the WRITE does not cover it whole and it was not up to date, so
 dropping it before the reply would wait for itself. Such a page was not up to
 date, so no reader cached older bytes in it unless it was dropped twice in the
-window; it is dropped only if a noted read covered it, with a time limit
-(``LOCKED_PAGE_WAIT_S``) after which the reply goes out and the drop completes.
+window; it is dropped only if a noted read covered it. Every drop has a time
+limit (kvfs/pagedrops.py) after which the reply goes out and the drop completes.
 """
 import os
 
@@ -176,6 +176,12 @@ class KernelPages:
                     if reads.ended is None:
                         reads.ended = trio.Event()
                     await reads.ended.wait()
+        # Only the pages this WRITE covers: those are what the kernel copied
+        # before sending it. (Wider, it would also wait for pages another WRITE
+        # holds under writeback, one that a shared mapping's writeback sends.)
+        first, last = max(first, off // PAGE), min(last, (off + size - 1) // PAGE)
+        if first > last:
+            return None, []
         return h.inode.ino, pages_to_drop(first, last, off, size)
 
 

@@ -36,11 +36,15 @@ async def test_a_write_names_the_pages_read_since_its_last_reply_and_only_those(
         # No read since the open: nothing to drop.
         await ns.write(writer, 0, b"a" * PAGE)
         assert await ns.stale_kernel_pages(writer, 0, PAGE) == (None, [])
-        # A read of pages 2-5, then a write ending inside page 4.
+        # A read of pages 2-5, then a write of pages 0-4 ending inside page 4:
+        # the pages both cover, page 4 set apart.
         assert bytes(await ns.read(reader, 2 * PAGE, 4 * PAGE)) == old[2 * PAGE:6 * PAGE]
         await ns.write(writer, 0, b"b" * (4 * PAGE + 1))
-        assert await ns.stale_kernel_pages(writer, 0, 4 * PAGE + 1) == (
-            ino, [(2, 3, False), (4, 4, True), (5, 5, False)])
+        assert await ns.stale_kernel_pages(writer, 0, 4 * PAGE + 1) == (ino, [(2, 3, False), (4, 4, True)])
+        # Pages read that the write does not cover are left alone.
+        await ns.read(reader, 8 * PAGE, PAGE)
+        await ns.write(writer, 0, b"b")
+        assert await ns.stale_kernel_pages(writer, 0, 1) == (None, [])
         # Answered: the next write starts afresh.
         await ns.write(writer, 0, b"c")
         assert await ns.stale_kernel_pages(writer, 0, 1) == (None, [])
