@@ -34,6 +34,7 @@ LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuseops"]
 GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "nested", "schema"}
 ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
+                       "dedupdomains": "blockindex",   # the block index's dedup domains
                        "pagedrops": "fuseops"}    # kernel page drops, sent from the FUSE layer
 
 
