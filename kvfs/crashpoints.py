@@ -30,7 +30,7 @@ EXIT_CODE = 137                 # what a shell reports for a process killed by S
 # name -> where it sits. tests/test_crash_points.py enumerates these (each must be
 # reached by a test) and checks that the code calls no name missing from here.
 CRASH_POINTS = {
-    "block-written": "blockindex.store_block: a new block's bytes are written, before it enters the "
+    "block-written": "blockindex.store_block(s): a new block's bytes are written, before it enters the "
                      "index (no record names it yet)",
     "commit-data-synced": "ExtentStore.commit: block data fdatasynced, before the journal frame naming "
                           "it is written",

@@ -24,7 +24,7 @@ import time
 import trio
 
 from .aligned import SECTOR, align_up, new_buffer
-from .devicecalls import CallTracker, asked, counts_errors
+from .devicecalls import CallTracker, asked, counts_errors, each_outcome
 from .errors import (Busy, DeviceError, Fenced, InternalError, InvalidArgument, NotADevice, NotFound,
                      device_error, os_error)
 
@@ -446,6 +446,10 @@ class Device:
 
     async def pwrite(self, off, data, source=None):
         return await self.run(self.pwrite_sync, off, data, source)
+
+    async def pwrite_each(self, writes):
+        """:meth:`pwrite_sync` of each (off, data, source) in one worker call (see each_outcome)."""
+        return await self.run(each_outcome, self.pwrite_sync, writes)
 
     async def sync(self):
         return await self.run(self.sync_sync)

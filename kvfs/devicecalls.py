@@ -34,7 +34,7 @@ import threading
 
 import trio
 
-from .errors import DeviceError, DeviceTimeout
+from .errors import DeviceError, DeviceTimeout, KvfsError
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +177,16 @@ def counts_errors(kind):
 def asked(views):
     """Bytes a transfer's system call was asked to move: one view, or a list of them."""
     return len(views) if isinstance(views, memoryview) else sum(map(len, views))
+
+
+def each_outcome(fn, calls):
+    """``fn(*args)`` for each ``args`` of ``calls``, in the calling (worker) thread: per call
+    None, or the KvfsError it raised. One failed call fails alone: the others still run."""
+    outcomes = []
+    for args in calls:
+        try:
+            fn(*args)
+            outcomes.append(None)
+        except KvfsError as exc:
+            outcomes.append(exc)
+    return outcomes

@@ -106,6 +106,11 @@ METRICS = {
     "read_handoffs": ("kvfs_read_handoffs_total", COUNTER,
                       "Worker-thread calls that read blocks from the device (one per run of adjacent blocks)."),
     "blocks_fetched": ("kvfs_blocks_fetched_total", COUNTER, "Blocks read from the device into the cache."),
+    "blocks_flushed": ("kvfs_blocks_flushed_total", COUNTER, "Dirty blocks stored on the device (or found there)."),
+    "flush_batches": ("kvfs_flush_batches_total", COUNTER,
+                      "Flush worker calls: one large block, or a batch of small ones stored with one "
+                      "hashing hand-off and one device call."),
+    "flush_batch_max": ("kvfs_flush_batch_max_blocks", GAUGE, "The most blocks one flush worker call stored."),
     "dedup_verify_reads": ("kvfs_dedup_verify_reads_total", COUNTER,
                            "Stored blocks read back to compare bytes on a dedup hit (dedup_verify=bytes)."),
     "dedup_collisions": ("kvfs_dedup_collisions_total", COUNTER,

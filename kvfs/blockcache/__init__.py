@@ -44,6 +44,8 @@ class CacheStatistics:
     buffer_bytes: int            # RAM in block buffers: clean, dirty, and spare ones kept for reuse
     read_handoffs: int           # worker-thread calls that read blocks (one per run of adjacent blocks)
     blocks_fetched: int          # blocks those calls read from the device
+    flush_batches: int           # flush worker calls: one block, or a batch of small ones
+    flush_batch_max: int         # the most blocks one such call stored
 
 
 class BlockCache(ReadSide, WriteBack):
@@ -142,7 +144,8 @@ class BlockCache(ReadSide, WriteBack):
                                s["inflight_max"], s["flushed"],
                                s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
                                s["read_requests"], s["write_requests"], self._buffer_bytes(),
-                               s["read_handoffs"], s["blocks_fetched"])
+                               s["read_handoffs"], s["blocks_fetched"], s["flush_batches"],
+                               s["flush_batch_max"])
 
     def _buffer_bytes(self):
         spare = len(self._spare) + len(self._clean_spare) + len(self._quarantine)

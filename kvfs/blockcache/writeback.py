@@ -19,6 +19,12 @@ from .filedata import Dirty, FileData, all_zero
 log = logging.getLogger(__name__)
 
 FLUSH_RETRIES = 3
+# Small blocks (at most a quarter block: small files, the tails of large ones) are
+# flushed in batches of up to BATCH_BLOCKS blocks and BATCH_BYTES bytes: one hashing
+# hand-off and one device call for the batch (BlockIndex.store_blocks).
+SMALL_FRACTION = 4
+BATCH_BLOCKS = 32
+BATCH_BYTES = 1 << 20
 
 
 class WriteBack:
@@ -42,8 +48,26 @@ class WriteBack:
             await send.send(self._ready.popleft())
 
     async def _flush_worker(self, recv):
-        async for filedata, d in recv:
-            await self._flush_one(filedata, d)
+        async for first in recv:
+            await self._flush_batch(self._batch_from(first))
+
+    def _batch_from(self, first):
+        """``first`` alone, or, when it is a small block, with the small blocks queued after it.
+
+        Taken when the worker starts, so batches grow while the workers are busy.
+        Large blocks go one by one: each is a device request of its own, and
+        several workers keep several in flight.
+        """
+        batch = [first]
+        if first[1].used <= self.bs // SMALL_FRACTION:
+            room = BATCH_BYTES - first[1].used
+            while (self._ready and len(batch) < BATCH_BLOCKS
+                   and self._ready[0][1].used <= min(room, self.bs // SMALL_FRACTION)):
+                batch.append(self._ready.popleft())
+                room -= batch[-1][1].used
+        self._s["flush_batches"] += 1
+        self._s["flush_batch_max"] = max(self._s["flush_batch_max"], len(batch))
+        return batch
 
     async def write(self, filedata, off, data):
         if filedata.failed:
@@ -196,35 +220,52 @@ class WriteBack:
             filedata.progress = None
         self._unadmit()
 
-    async def _flush_one(self, filedata, d):
-        # ``d.queued`` stays set while we work, so the block is not flushed twice at once.
-        try:
-            idx = filedata.blocks.index(d)
-        except ValueError:
-            d.queued = False
-            return                                   # truncated away or already retired
-        length = min(self.bs, filedata.size - idx * self.bs)
-        version = d.version
-        # Hash and write straight from the buffer, without a snapshot copy. A
-        # write that lands meanwhile bumps d.version, and the result is then
-        # discarded below, so a torn buffer is never named by a key.
-        buf = d.buf
-        view = memoryview(buf)[:length]
-        try:
-            key = None if all_zero(view) else await self.index.store_block(view, source=buf, domain=filedata.domain)
-        except KvfsError as exc:
-            d.attempts += 1
-            d.queued = False
-            log.error("flushing a block failed (attempt %d): %s", d.attempts, exc)
-            # No space, or a dedup hit on other bytes: trying again cannot help. A device
-            # that did not answer within io_timeout (its own retries included) would only
-            # hold the writer's fsync for another io_timeout.
-            if d.attempts >= FLUSH_RETRIES or isinstance(exc, (NoSpace, DedupCollision, DeviceTimeout)):
-                self._fail_file(filedata, type(exc))
+    async def _flush_batch(self, batch):
+        # ``d.queued`` stays set while we work, so a block is not flushed twice at once.
+        jobs = []
+        for filedata, d in batch:
+            try:
+                idx = filedata.blocks.index(d)
+            except ValueError:
+                d.queued = False
+                continue                             # truncated away or already retired
+            length = min(self.bs, filedata.size - idx * self.bs)
+            # Hash and write straight from the buffer, without a snapshot copy. A
+            # write that lands meanwhile bumps d.version, and the result is then
+            # discarded in _flushed, so a torn buffer is never named by a key.
+            jobs.append((filedata, d, idx, length, d.version, memoryview(d.buf)[:length]))
+        stored = [job for job in jobs if not all_zero(job[5])]
+        outcomes = await self.index.store_blocks([(view, d.buf, filedata.domain)
+                                                  for filedata, d, _, _, _, view in stored]) if stored else []
+        key_of = {id(job): outcome for job, outcome in zip(stored, outcomes)}
+        retry = []
+        for job in jobs:
+            outcome = key_of.get(id(job))
+            if isinstance(outcome, KvfsError):
+                if self._flush_failed(job[0], job[1], outcome):
+                    retry.append(job)
             else:
-                await trio.sleep(0.2 * d.attempts)
+                self._flushed(*job, outcome)
+        if retry:
+            await trio.sleep(0.2 * max(d.attempts for _, d, *_ in retry))
+            for filedata, d, *_ in retry:
                 self._enqueue(filedata, d)
-            return
+
+    def _flush_failed(self, filedata, d, exc):
+        """Count a failed flush of ``d``; True if it is worth trying again."""
+        d.attempts += 1
+        d.queued = False
+        log.error("flushing a block failed (attempt %d): %s", d.attempts, exc)
+        # No space, or a dedup hit on other bytes: trying again cannot help. A device
+        # that did not answer within io_timeout (its own retries included) would only
+        # hold the writer's fsync for another io_timeout.
+        if d.attempts >= FLUSH_RETRIES or isinstance(exc, (NoSpace, DedupCollision, DeviceTimeout)):
+            self._fail_file(filedata, type(exc))
+            return False
+        return True
+
+    def _flushed(self, filedata, d, idx, length, version, view, key):
+        """``d`` (at ``idx``, ``length`` bytes at ``version``) is stored as ``key`` (None: zeros)."""
         d.queued = False
         still_current = (idx < len(filedata.blocks) and filedata.blocks[idx] is d and d.version == version
                          and min(self.bs, filedata.size - idx * self.bs) == length)

@@ -279,6 +279,10 @@ class ExtentStore:
         """Write block bytes into an allocated extent (``source``: see Device.pwrite_sync)."""
         await self.device.pwrite(off, data, source)
 
+    async def write_extents(self, writes):
+        """Write several allocated extents in one device call: per write None or its KvfsError."""
+        return await self.device.pwrite_each(writes)
+
     def read_extent_sync(self, off, length, buf=None):
         """Read an extent's bytes; call it in a worker thread (see :meth:`run`)."""
         return self.device.read_block_sync(off, length, buf)
