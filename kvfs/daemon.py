@@ -193,7 +193,7 @@ class Daemon:
                                  f"{self.fs.fenced}")
                 await self.fs.ns.flush_all()
                 try:
-                    await self.fs.ns.checkpoint()
+                    await self.fs.ns.checkpoint_unless_folded()
                 except KvfsError as exc:
                     log.error("final checkpoint failed; the journal holds what was committed: %s", exc)
                     raise type(exc)(f"unmounted, but the final checkpoint failed: {exc}") from None

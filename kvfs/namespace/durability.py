@@ -49,6 +49,26 @@ class Durability:
         async with self._durability_lock:
             await self._checkpoint_locked()
 
+    async def checkpoint_unless_folded(self):
+        """The unmount's checkpoint; skipped (False) when the journal holds no record since
+        the last one, which then already says all that a new one would.
+
+        Why: at a million files a checkpoint takes seconds, and an unmount after
+        ``kvfs-admin checkpoint``, or after nothing but reads, used to write the
+        same state again. What only a checkpoint records (pins) is checkpointed
+        when it changes (Admin.pin), so an empty journal means nothing is owed.
+        """
+        async with self._durability_lock:
+            try:
+                await self.cache.commit()
+            except JournalFull:
+                pass
+            if self.cache.journal_fill == 0:
+                log.info("the journal is empty: the last checkpoint stands, none written")
+                return False
+            await self._checkpoint_locked()
+            return True
+
     async def _checkpoint_locked(self):
         # Both ways in (checkpoint(), and a commit that found the journal full)
         # come here: its rows would make every full collection long, and the

@@ -192,6 +192,15 @@ class Admin:
             inode = tree.inodes.get(ino)
             if inode is None or not inode.is_file:
                 raise InvalidArgument(f"inode {ino} is not a regular file on this mount")
+        before = set(tree.pinned)
         (tree.pinned.update if pinned else tree.pinned.difference_update)(inos)
-        await self.ns.checkpoint()
+        try:
+            await self.ns.checkpoint()
+        except BaseException:
+            # Pins are recorded only by checkpoints: one that failed leaves them as
+            # they were, so that no later checkpoint (or the skipped one at
+            # unmount, Durability.checkpoint_unless_folded) differs from what the caller was told.
+            tree.pinned.clear()
+            tree.pinned.update(before)
+            raise
         return {"pinned_files": len(tree.pinned), "pinned_bytes": self.evictor.pinned_bytes()}
