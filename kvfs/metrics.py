@@ -90,6 +90,8 @@ METRICS = {
                                "Of those, drops still waiting for a page lock when the reply went out."),
     "kernel_page_drops_failed": ("kvfs_kernel_page_drops_failed_total", COUNTER,
                                  "Page drops the kernel refused (each is logged)."),
+    "kernel_page_drops_last_late": ("kvfs_kernel_page_drops_last_late_total", COUNTER,
+                                    "Of the late drops, those of a WRITE's partly written last page."),
     "gc_full_collections": ("kvfs_gc_full_collections_total", COUNTER,
                             "Full (generation-2) Python garbage collections in the daemon."),
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,

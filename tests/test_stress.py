@@ -118,7 +118,8 @@ def test_stress(kvfs_factory, faulty, seconds):
              "faults_injected": stats.get("faults_injected", {}),
              "device_io_retries": stats["device_io_retries"], "corrupt_reads": stats["corrupt_reads"],
              "writers_throttled": stats["writers_throttled"], "dedup_hits": stats["dedup_hits"],
-             **{k: stats.get(k) for k in ("kernel_page_drops", "kernel_page_drops_late", "kernel_page_drops_failed")}}
+             **{k: stats.get(k) for k in ("kernel_page_drops", "kernel_page_drops_late",
+                                          "kernel_page_drops_last_late", "kernel_page_drops_failed")}}
     print(stress.summary("faults" if faulty else "plain", elapsed, extra))
     assert not stress.failures, (f"{len(stress.failures)} failure(s), the first ones:\n"
                                  + "\n".join(stress.failures[:5]))
