@@ -376,7 +376,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             return fh, False, True
         direct_io, page_writer, keep = self._page_cache_mode(inode, flags, writable)
         self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged,
-                                  page_writer=page_writer)
+                                  page_writer=page_writer, o_direct=bool(flags & os.O_DIRECT))
         if page_writer:
             self._page_writer_opened(self.handles[fh])
         inode.opens += 1
@@ -415,7 +415,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             raise BadDescriptor() from None
 
     async def read(self, fh, off, size):
-        reads = self.handle(fh).inode.page_reads
+        reads = None if (h := self.handle(fh)).o_direct else h.inode.page_reads   # O_DIRECT caches no pages
         if reads is None:
             return await self.cache.read(self._read_source(fh), off, size)
         return await self._read_under_page_writers(reads, self._read_source(fh), off, size)

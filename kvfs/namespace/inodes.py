@@ -246,4 +246,5 @@ class Handle:
     view: bool = False
     kill_suid: bool = False      # a direct_io writer without CAP_FSETID: its writes drop set-ID bits
     page_writer: bool = False    # writes through the kernel's page cache (not direct_io)
-    pages_read: tuple = None     # page_writer: (first, last) pages read by anyone since its last reply
+    o_direct: bool = False       # opened O_DIRECT: its reads put no pages in the kernel's cache
+    pages_read: list = None      # page_writer: [(first, last)] page spans read by anyone since its last reply

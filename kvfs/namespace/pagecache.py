@@ -58,6 +58,12 @@ which now has the bytes. (A READ that reached the daemon before the writer's
 last reply was sent before the writer's copy, and its pages were locked until
 its reply: the copy waited for it.)
 
+Reads through a descriptor opened with O_DIRECT are not noted: the kernel
+copies them straight to the reader, caching no page. (A descriptor whose
+O_DIRECT is cleared later with fcntl reads through the cache unnoted; no engine
+kvfs serves does that.) They were most of the noted reads in tests/test_stress.py,
+and each made the WRITE wait out the limit on a page the writer itself held.
+
 One page is special: the kernel keeps the last page of a WRITE locked until
 the reply when the WRITE does not cover it whole and it was not up to date, so
 dropping it before the reply would wait for itself. Such a page was not up to
@@ -150,8 +156,7 @@ class KernelPages:
         reads.running.add(seq)
         first, last = off // PAGE, (off + max(size, 1) - 1) // PAGE
         for h in reads.writers:
-            noted = h.pages_read
-            h.pages_read = (first, last) if noted is None else (min(noted[0], first), max(noted[1], last))
+            h.pages_read = with_span(h.pages_read, first, last)
         try:
             return await self.cache.read(source, off, size)
         finally:
@@ -167,7 +172,7 @@ class KernelPages:
         h = self.handles.get(fh)
         if h is None or not h.page_writer or h.pages_read is None or not size:
             return None, []
-        (first, last), h.pages_read = h.pages_read, None
+        spans, h.pages_read = h.pages_read, None
         reads = h.inode.page_reads
         if reads is not None:
             begun = reads.started
@@ -179,10 +184,31 @@ class KernelPages:
         # Only the pages this WRITE covers: those are what the kernel copied
         # before sending it. (Wider, it would also wait for pages another WRITE
         # holds under writeback, one that a shared mapping's writeback sends.)
-        first, last = max(first, off // PAGE), min(last, (off + size - 1) // PAGE)
-        if first > last:
-            return None, []
-        return h.inode.ino, pages_to_drop(first, last, off, size)
+        ranges = []
+        for first, last in spans:
+            first, last = max(first, off // PAGE), min(last, (off + size - 1) // PAGE)
+            if first <= last:
+                ranges.extend(pages_to_drop(first, last, off, size))
+        return (h.inode.ino, ranges) if ranges else (None, [])
+
+
+NOTED_SPANS = 16                 # spans kept per handle; more are merged into one
+
+
+def with_span(spans, first, last):
+    """The page spans ``spans`` (disjoint, sorted; None for none) with [first, last] added.
+
+    Spans, not their hull: with one hull, reads of pages 0 and 60 named every page
+    between, and a drop of the WRITE's last page, which the writer itself may hold
+    locked, then waited out its limit on most WRITEs (kernel_page_drops_last_late).
+    """
+    merged = []
+    for lo, hi in sorted([*(spans or ()), (first, last)]):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged if len(merged) <= NOTED_SPANS else [(merged[0][0], max(hi for _, hi in merged))]
 
 
 def pages_to_drop(first, last, off, size):

@@ -6,7 +6,7 @@ import os
 import trio
 
 from kvfs.namespace import ROOT_INO
-from kvfs.namespace.pagecache import PAGE, pages_to_drop
+from kvfs.namespace.pagecache import NOTED_SPANS, PAGE, pages_to_drop, with_span
 
 from .helpers import BS, close_and_check, mkfs, open_fs, pattern, running, write_file
 
@@ -25,6 +25,18 @@ def test_the_last_page_of_a_write_is_set_apart_unless_the_write_covers_it_whole(
     assert pages_to_drop(3, 6, 0, 3 * PAGE + 100) == [(3, 3, True), (4, 6, False)]
 
 
+def test_reads_are_noted_as_spans_not_as_their_hull():
+    spans = with_span(None, 5, 6)
+    assert spans == [(5, 6)]
+    assert with_span(spans, 0, 0) == [(0, 0), (5, 6)]
+    assert with_span(with_span(spans, 0, 0), 7, 9) == [(0, 0), (5, 9)]      # adjacent: one span
+    assert with_span(with_span(spans, 0, 0), 1, 5) == [(0, 6)]              # overlapping: merged
+    many = None
+    for page in range(0, 2 * (NOTED_SPANS + 1), 2):
+        many = with_span(many, page, page)
+    assert many == [(0, 2 * NOTED_SPANS)]                  # past the bound: one span, never fewer pages
+
+
 async def test_a_write_names_the_pages_read_since_its_last_reply_and_only_those(tmp_path):
     fs = open_fs(mkfs(tmp_path))
     ns = fs.ns
@@ -41,6 +53,17 @@ async def test_a_write_names_the_pages_read_since_its_last_reply_and_only_those(
         assert bytes(await ns.read(reader, 2 * PAGE, 4 * PAGE)) == old[2 * PAGE:6 * PAGE]
         await ns.write(writer, 0, b"b" * (4 * PAGE + 1))
         assert await ns.stale_kernel_pages(writer, 0, 4 * PAGE + 1) == (ino, [(2, 3, False), (4, 4, True)])
+        # An O_DIRECT read puts no page in the kernel's cache: nothing to drop for it.
+        direct_reader, _, _ = ns.open(ino, os.O_RDONLY | os.O_DIRECT)
+        await ns.read(direct_reader, 0, 4 * PAGE)
+        await ns.write(writer, 0, b"o" * (4 * PAGE + 1))
+        assert await ns.stale_kernel_pages(writer, 0, 4 * PAGE + 1) == (None, [])
+        await ns.release(direct_reader)
+        # Two reads far apart: only the pages they read, not those between them.
+        await ns.read(reader, 0, PAGE)
+        await ns.read(reader, 7 * PAGE, PAGE)
+        await ns.write(writer, 0, b"e" * (4 * PAGE + 1))
+        assert await ns.stale_kernel_pages(writer, 0, 4 * PAGE + 1) == (ino, [(0, 0, False)])
         # Pages read that the write does not cover are left alone.
         await ns.read(reader, 8 * PAGE, PAGE)
         await ns.write(writer, 0, b"b")
