@@ -39,8 +39,9 @@ assert _OUT_HEADER.size == 16 and _INVAL_INODE.size == 24
 LOCKED_PAGE_WAIT_S = 0.2         # the page the WRITE itself may hold locked
 UNLOCKED_WAIT_S = 0.2            # the others
 # A drop that ran over keeps its thread (and its limiter token) until the page
-# it waits for is unlocked. With 4 threads, late drops under load held every
-# token, so the next WRITE's drops could not even start before its reply.
+# it waits for is unlocked. With 4 threads, late drops under load could hold
+# every token, and the next WRITE's drops could then not even start before its
+# reply (about half the drops ran over in loaded stress runs).
 DROP_THREADS = 16
 
 
