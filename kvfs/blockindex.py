@@ -310,12 +310,11 @@ class BlockIndex:
             if key in self.entries or key in self._writing or key in claimed:
                 continue
             try:
-                off = self.store.allocate(len(data))
+                off = self._claim(key, len(data))
             except KvfsError as exc:
                 outcomes[i] = exc
                 continue
             claimed.add(key)
-            self._writing[key] = (trio.Event(), off, len(data))
             fresh.append((i, key, off))
         if fresh:
             await self._write_fresh(blocks, fresh, outcomes)
@@ -339,12 +338,9 @@ class BlockIndex:
         except KvfsError as exc:                # the whole call failed (a device timeout)
             failures = [exc] * len(fresh)
         finally:
-            for (i, key, off), failed in zip(fresh, failures or [True] * len(fresh)):
-                done, _, length = self._writing.pop(key)
-                done.set()
+            for (i, key, _), failed in zip(fresh, failures or [True] * len(fresh)):
+                self._unclaim(key, failed=failed is not None)
                 if failed is not None:
-                    # Never referenced by anything: give the extent straight back.
-                    self.store.release_unused(off, length)
                     outcomes[i] = failed
         for (i, key, off), failed in zip(fresh, failures):
             if failed is None:
@@ -371,20 +367,28 @@ class BlockIndex:
             if writing is None:
                 break
             await writing[0].wait()         # same block being written by another flusher
-        off = self.store.allocate(len(data))
-        done = trio.Event()
-        self._writing[key] = (done, off, len(data))
+        off = self._claim(key, len(data))
+        written = False
         try:
             await self.store.write_extent(off, data, source)
-        except BaseException:
-            # Never referenced by anything: give the extent straight back.
-            self.store.release_unused(off, len(data))
-            raise
+            written = True
         finally:
-            del self._writing[key]
-            done.set()
+            self._unclaim(key, failed=not written)
         self._enter_written(key, off, len(data), domain)
         return key
+
+    def _claim(self, key, length):
+        """An extent for a new block, marked as being written (flushes of the same bytes wait)."""
+        off = self.store.allocate(length)
+        self._writing[key] = (trio.Event(), off, length)
+        return off
+
+    def _unclaim(self, key, failed):
+        """The write of a claimed block is over: wake who waits; a failed one's extent goes back."""
+        done, off, length = self._writing.pop(key)
+        done.set()
+        if failed:
+            self.store.release_unused(off, length)      # never referenced by anything
 
     def _enter_written(self, key, off, length, domain):
         crashpoint("block-written")
