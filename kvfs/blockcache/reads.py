@@ -45,7 +45,10 @@ class ReadSide:
             data = await self.index.read_block(key, self._clean_buffer())
         finally:
             self._s["inflight"] -= 1
-            del self._reading[key]
+            # Only our own claim: when a read fails, every reader that waited for it
+            # reads again, each claiming the block, so another may have replaced ours.
+            if self._reading.get(key) is done:
+                del self._reading[key]
             done.set()
         self._remember(key, data)
         return data

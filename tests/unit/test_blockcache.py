@@ -11,8 +11,10 @@ import trio.testing
 from kvfs.blockcache.reads import PREFETCH_RUN_BLOCKS
 from kvfs.blockcache import Dirty, FileData
 from kvfs.errors import DeviceError, KvfsError
+from kvfs.namespace import ROOT_INO
 
-from .helpers import BS, close_and_check, mkfs, open_fs, pattern, running, slow_writes, wait_until
+from .helpers import (BS, close_and_check, mkfs, open_fs, pattern, running, slow_writes, wait_until,
+                      write_file)
 
 
 def check_accounting(fs, *filedatas):
@@ -482,4 +484,34 @@ async def test_recycled_dirty_buffers_never_show_their_old_bytes(tmp_path):
         cache.drop_clean()
         for f, expect in files:
             assert await cache.read(f, 0, f.size) == expect
+    close_and_check(fs)
+
+
+async def test_readers_that_waited_for_a_failed_read_each_read_again(tmp_path):
+    """Three readers of one block; the first device read fails. The two that waited
+    for it each read it again, and both get the bytes: each drops only its own claim
+    (the second used to find its claim gone and fail with KeyError)."""
+    path = mkfs(tmp_path)
+    data = pattern(21, BS)
+    fs = open_fs(path)
+    async with running(fs):
+        ino = await write_file(fs.ns, ROOT_INO, b"f", data)
+        key = fs.ns.inode(ino).data.blocks[0]
+        off = fs.index.entries[key].off
+    close_and_check(fs)
+    fs = open_fs(path, faults=[{"op": "read", "range": [off, off + BS], "effect": "eio", "count": 1}])
+    outcomes = []
+
+    async def get():
+        try:
+            outcomes.append(bytes(await fs.cache.get(key)))
+        except DeviceError as exc:
+            outcomes.append(exc.errno)
+
+    async with running(fs, persist=False):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(get)
+        assert sorted(outcomes, key=lambda o: isinstance(o, bytes)) == [errno.EIO, data, data]
+        assert key not in fs.cache._reading
     close_and_check(fs)
