@@ -356,8 +356,15 @@ def make_durable(directory, kvfs_mnt):
 
 
 def drop_caches(kvfs_mnt=None):
-    """Make the next read cold: empty kvfs's RAM cache, then the kernel's."""
+    """Make the next read cold: write back and empty kvfs's RAM cache, then the kernel's.
+
+    kvfs is flushed first, as os.sync() below writes back ext4: sync(2) does
+    not reach a FUSE daemon's write-back cache, so without the flush the timed
+    reads ran beside kvfs still writing the just-stored chunks to the device,
+    and read them from its dirty buffers instead of the device.
+    """
     if kvfs_mnt:
+        kvfs_tool("admin", "flush", kvfs_mnt)
         kvfs_tool("admin", "drop-caches", kvfs_mnt)
     os.sync()  # drop_caches only drops clean pages
     try:
