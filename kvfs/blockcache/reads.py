@@ -88,7 +88,12 @@ class ReadSide:
             buf = self._quarantine.popleft()[1]
             if len(self._clean_spare) < self._clean_spare_max:
                 self._clean_spare.append(buf)
-        return self._clean_spare.pop() if self._clean_spare else None
+        if self._clean_spare:
+            return self._clean_spare.pop()
+        # A retired dirty buffer is already faulted in, and the device read
+        # overwrites all of it: a fresh one costs a page fault and a zeroing
+        # per 4 KiB, more than the read (the first cold reads after writes).
+        return self._spare.pop()[0] if self._spare else None
 
     async def read(self, filedata, off, size):
         if filedata.failed:
