@@ -92,6 +92,7 @@ class Daemon:
         self._gc = FreezeAfterFullCollections()
         self._commands_running = 0
         self._page_dropper = None
+        self._ops = None                # the KvfsOperations being served
 
     def stats(self):
         stats = self._ops_stats.extend(self.fs.stats())
@@ -101,6 +102,7 @@ class Daemon:
         stats["gc_frozen_objects"] = gc_stats.frozen_objects
         stats["gc_frozen_counted_s_ago"] = gc_stats.frozen_counted_s_ago
         stats["control_commands_running"] = self._commands_running
+        stats["kernel_read_requests"] = self._ops.kernel_reads if self._ops is not None else 0
         if self._page_dropper is not None:
             stats.update(dataclasses.asdict(self._page_dropper.statistics()))
         return stats
@@ -165,7 +167,7 @@ class Daemon:
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
         if self.options.allow_other:
             fuse_options.add("allow_other")
-        ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
+        ops = self._ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
         pyfuse3.init(ops, self.mountpoint, fuse_options)
         ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
         unmounted = False

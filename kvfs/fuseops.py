@@ -81,6 +81,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_dir_fh = 1
         self._results = {}               # caller pid -> JSON answer of its last control command
         self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/pagedrops.py)
+        self.kernel_reads = 0            # READ requests from the kernel
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -210,6 +211,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def read(self, fh, off, size):
+        self.kernel_reads += 1
         return await self.ns.read(fh, off, size)
 
     @_errno_mapped

@@ -92,6 +92,8 @@ METRICS = {
                                  "Page drops the kernel refused (each is logged)."),
     "kernel_page_drops_last_late": ("kvfs_kernel_page_drops_last_late_total", COUNTER,
                                     "Of the late drops, those of a WRITE's partly written last page."),
+    "kernel_read_requests": ("kvfs_kernel_read_requests_total", COUNTER,
+                             "READ requests from the kernel (page-cache misses and O_DIRECT reads)."),
     "gc_full_collections": ("kvfs_gc_full_collections_total", COUNTER,
                             "Full (generation-2) Python garbage collections in the daemon."),
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,
