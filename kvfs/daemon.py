@@ -24,6 +24,7 @@ from .gcpolicy import FreezeAfterFullCollections
 from .metrics import MetricsServer
 from .opsstats import OpsStats
 from .pagedrops import KernelPageDropper
+from .pagefill import PageFiller
 from .sdnotify import Notifier
 from .stack import Filesystem
 
@@ -53,6 +54,7 @@ class MountOptions:
     dedup_groups: object = None       # None: dedup per uid; "all"; or uid sets (blockindex.DedupDomains)
     dedup_verify: bool = False        # compare bytes on every dedup hit (dedup_verify=bytes)
     mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
+    page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/pagefill.py)
 
     force: bool = False               # take over a store whose MMP record is in use, without waiting
 
@@ -92,6 +94,7 @@ class Daemon:
         self._gc = FreezeAfterFullCollections()
         self._commands_running = 0
         self._page_dropper = None
+        self._page_filler = None
         self._ops = None                # the KvfsOperations being served
 
     def stats(self):
@@ -103,8 +106,9 @@ class Daemon:
         stats["gc_frozen_counted_s_ago"] = gc_stats.frozen_counted_s_ago
         stats["control_commands_running"] = self._commands_running
         stats["kernel_read_requests"] = self._ops.kernel_reads if self._ops is not None else 0
-        if self._page_dropper is not None:
-            stats.update(dataclasses.asdict(self._page_dropper.statistics()))
+        for kernel_pages in (self._page_dropper, self._page_filler):
+            if kernel_pages is not None:
+                stats.update(dataclasses.asdict(kernel_pages.statistics()))
         return stats
 
     async def command(self, text):
@@ -170,6 +174,9 @@ class Daemon:
         ops = self._ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
         pyfuse3.init(ops, self.mountpoint, fuse_options)
         ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
+        if self._page_dropper is not None and self.options.page_fill:
+            ops.page_filler = self._page_filler = PageFiller(self._page_dropper.fd, self._page_dropper,
+                                                             self.fs.ns.block_size)
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:

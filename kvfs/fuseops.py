@@ -17,6 +17,7 @@ import pyfuse3
 from .errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
                      NotSupported)
 from .namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
+from .pagefill import FILL_MOST
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_dir_fh = 1
         self._results = {}               # caller pid -> JSON answer of its last control command
         self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/pagedrops.py)
-        self.kernel_reads = 0            # READ requests from the kernel
+        self.page_filler = None          # a PageFiller once mounted (kvfs/pagefill.py)
+        self.kernel_reads = 0            # READ requests from the kernel (page fills are not among them)
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -149,6 +151,12 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def setattr(self, inode, attr, fields, fh, ctx):
+        if fields.update_size and self.page_filler is not None:
+            async with self.page_filler.fenced(inode):
+                return await self._setattr(inode, attr, fields)
+        return await self._setattr(inode, attr, fields)
+
+    async def _setattr(self, inode, attr, fields):
         await self.ns.setattr(
             inode,
             size=attr.st_size if fields.update_size else None,
@@ -205,6 +213,26 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def open(self, inode, flags, ctx):
+        if self.page_filler is None:
+            return self._open(inode, flags, ctx)
+        if (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC:
+            # The content may change from here on: no page fill may still be storing the old bytes.
+            async with self.page_filler.fenced(inode):
+                return self._open(inode, flags, ctx)
+        info = self._open(inode, flags, ctx)
+        size = self.ns.page_fill_size(info.fh, FILL_MOST)
+        if size:
+            try:
+                info.keep_cache = await self.page_filler.fill(
+                    inode, size, lambda off, length: self.ns.read(info.fh, off, length), self.ns.views_held,
+                    info.keep_cache)
+            except Exception:
+                # The open itself succeeded (its handle exists): answer it; the pages
+                # stored so far are the file's bytes, and without keep_cache they go.
+                log.exception("page fill of inode %d failed", inode)
+        return info
+
+    def _open(self, inode, flags, ctx):
         # uid 0 stands in for CAP_FSETID (FUSE does not pass capabilities).
         fh, direct_io, keep_cache = self.ns.open(inode, flags, privileged=ctx.uid == 0)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)

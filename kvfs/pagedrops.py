@@ -117,5 +117,18 @@ class KernelPageDropper:
                 self._late += 1
                 self._last_late += may_be_locked
 
+    async def drop_file(self, ino):
+        """Drop every cached page of ``ino``, as an open without keep_cache would; False if
+        the kernel refused or the drop ran over its limit (it then finishes in its thread)."""
+        with trio.move_on_after(UNLOCKED_WAIT_S) as waited:
+            failed = await trio.to_thread.run_sync(self._send, ino, 0, 0, limiter=self._limiter,
+                                                   abandon_on_cancel=True)
+        self._drops += 1
+        self._late += waited.cancelled_caught
+        if not waited.cancelled_caught and failed is not None:
+            self._failed += 1
+            log.warning("could not drop the cached pages of inode %d from the kernel: %s", ino, failed)
+        return not waited.cancelled_caught and failed is None
+
     def statistics(self):
         return PageDropStatistics(self._drops, self._late, self._failed, self._last_late)

@@ -35,7 +35,8 @@ GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpol
 ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
                        "dedupdomains": "blockindex",   # the block index's dedup domains
-                       "pagedrops": "fuseops"}    # kernel page drops, sent from the FUSE layer
+                       "pagedrops": "fuseops",    # kernel page drops, sent from the FUSE layer
+                       "pagefill": "fuseops"}     # kernel page fills, sent from the FUSE layer
 
 
 def top_package(module):

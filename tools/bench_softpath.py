@@ -102,7 +102,8 @@ class Side:
     # FUSE requests, worker-thread hand-offs and device reads, and the CPU time
     # of its event-loop thread (the one thread every FUSE request goes through,
     # so its CPU-s/GB bounds a daemon's speed however many cores the host has).
-    KVFS_COUNTERS = ("kernel_read_requests", "read_requests", "read_handoffs", "blocks_fetched", "cache_hits")
+    KVFS_COUNTERS = ("kernel_read_requests", "read_requests", "read_handoffs", "blocks_fetched", "cache_hits",
+                     "page_fill_bytes")
 
     def counters(self):
         if not self.kvfs_mnt:

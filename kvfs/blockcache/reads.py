@@ -5,6 +5,7 @@ device. Opening a file for reading prefetches its blocks with up to
 ``read_depth`` concurrent device reads, so one large ``read()`` from the engine
 turns into many parallel device reads.
 """
+import contextlib
 import logging
 import mmap
 
@@ -104,11 +105,22 @@ class ReadSide:
         bs = self.bs
         first, last = off // bs, (end - 1) // bs
         self.prefetch(filedata, first)
+        with self.views_held():
+            return await self._read_blocks(filedata, off, end, first, last)
+
+    @contextlib.contextmanager
+    def views_held(self):
+        """Inside, no block buffer whose view :meth:`read` returned is reused.
+
+        A read's reply goes out before its read() returns; someone who keeps
+        the views longer (kvfs/pagefill.py sends them from threads) holds them
+        in here, and evicted buffers wait in quarantine until it is left.
+        """
         seq = self._read_seq
         self._read_seq += 1
         self._active_reads[seq] = None
         try:
-            return await self._read_blocks(filedata, off, end, first, last)
+            yield
         finally:
             del self._active_reads[seq]
 
@@ -159,26 +171,31 @@ class ReadSide:
         prefetch at all and went to the device one request, one block at a time.
         Blocks still cached or being read are skipped, so a warm reopen costs one
         scan of the window and no device read.
+
+        Returns how many blocks of the window were not in the clean cache
+        (being read, or now started): 0 means a warm reopen.
         """
         filedata.prefetched_upto = 0
-        self.prefetch(filedata)
+        return self.prefetch(filedata)
 
     def prefetch(self, filedata, from_index=0):
         """Start background reads of the stored blocks ahead of ``from_index``.
 
         The window is half the clean cache, so a prefetch never evicts the
-        blocks it just fetched before the reader gets to them.
+        blocks it just fetched before the reader gets to them. Returns how
+        many distinct blocks of the window were not in the clean cache.
         """
         if self._nursery is None:
-            return
+            return 0
         window = max(1, (self.cache_size // 2) // self.bs)
         start = max(filedata.prefetched_upto, from_index)
         stop = min(len(filedata.blocks), from_index + window)
         if start >= stop:
-            return
+            return 0
         filedata.prefetched_upto = stop
-        wanted = [k for k in dict.fromkeys(filedata.blocks[start:stop])
-                  if isinstance(k, bytes) and k not in self._clean and k not in self._reading]
+        missing = [k for k in dict.fromkeys(filedata.blocks[start:stop])
+                   if isinstance(k, bytes) and k not in self._clean]
+        wanted = [k for k in missing if k not in self._reading]
         # Claimed here, before anything awaits: the readers of these blocks (an
         # O_DIRECT read arrives as many concurrent requests at once) then wait for
         # the prefetch's run reads instead of each reading its own block.
@@ -190,6 +207,7 @@ class ReadSide:
             claims.append((run, done))
         if claims:
             self._nursery.start_soon(self._prefetch, claims)
+        return len(missing)
 
     async def _prefetch(self, claims):
         # Adjacent blocks are read as runs of up to PREFETCH_RUN_BLOCKS: one device

@@ -393,7 +393,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             return fh, True, keep
         if not writable:
             self.evictor.accessed(inode)
-            self.cache.prefetch_on_open(inode.data)
+            self.handles[fh].cold_blocks = self.cache.prefetch_on_open(inode.data)
         return fh, False, keep
 
     def _truncate_now(self, inode):

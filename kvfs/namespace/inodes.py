@@ -248,3 +248,4 @@ class Handle:
     page_writer: bool = False    # writes through the kernel's page cache (not direct_io)
     o_direct: bool = False       # opened O_DIRECT: its reads put no pages in the kernel's cache
     pages_read: list = None      # page_writer: [(first, last)] page spans read by anyone since its last reply
+    cold_blocks: int = 0         # blocks the open's prefetch did not find in the clean cache

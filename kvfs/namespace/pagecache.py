@@ -117,6 +117,26 @@ class KernelPages:
             inode.page_writers += 1
         return direct_io, page_writer, keep
 
+    def page_fill_size(self, fh, most):
+        """How many bytes of the file open at ``fh`` the FUSE layer should place in the
+        kernel's page cache before it answers the open (kvfs/pagefill.py), or 0.
+
+        Only a cold read-only open of a file nobody writes: its bytes are then fixed
+        until a writer's open, or a truncate, which the FUSE layer holds back until
+        the fill is done. A warm reopen (nothing to fetch) fills nothing: the
+        kernel most likely still holds the pages, and another copy would only cost.
+        """
+        h = self.handle(fh)
+        inode = h.inode
+        if (h.writable or h.view or h.o_direct or not h.cold_blocks or inode.writers or inode.page_writers
+                or inode.pre_truncate is not None or inode.data.failed):
+            return 0
+        return min(inode.size, most)
+
+    def views_held(self):
+        """Views that :meth:`read` returns inside stay valid (BlockCache.views_held)."""
+        return self.cache.views_held()
+
     @staticmethod
     def _shielded(inode):
         return inode.page_writers and not inode.direct_writes_under_page_writers
