@@ -36,6 +36,13 @@ def write_new(path, data):
         os.close(fd)
 
 
+def drop_kernel_cache():
+    """Write back, then drop the kernel's page cache, dentries and inodes (needs root)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
 def slow_writes(seconds):
     """A fault plan for a slow device: every device write takes ``seconds`` longer."""
     return [{"op": "write", "effect": "delay", "seconds": seconds}]

@@ -14,15 +14,9 @@ import threading
 
 import pytest
 
-from kvfsmount import write_new
+from kvfsmount import drop_kernel_cache, write_new
 
 MiB = 1 << 20
-
-
-def drop_kernel_cache():
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 def drop_kvfs_cache(fs):

@@ -12,15 +12,10 @@ import os
 import pytest
 
 from kvfs.blockcache.reads import PREFETCH_RUN_BLOCKS
+from kvfsmount import drop_kernel_cache
 
 MiB = 1 << 20
 BLOCKS = 32
-
-
-def drop_kernel_cache():
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])

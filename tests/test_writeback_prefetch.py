@@ -7,16 +7,10 @@ import hashlib
 import os
 import signal
 
-from kvfsmount import slow_writes, write_new
+from kvfsmount import drop_kernel_cache, slow_writes, write_new
 from threads import run_in_threads
 
 MiB = 1 << 20
-
-
-def drop_kernel_cache():
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 def test_close_returns_while_dirty_and_dirty_reads_are_right(kvfs_factory):
