@@ -102,33 +102,32 @@ class KernelPageDropper:
         """
         for first, last, may_be_locked in sorted(ranges, key=lambda r: not r[2]):
             off, length = first * self.page_size, (last - first + 1) * self.page_size
-            limit = LOCKED_PAGE_WAIT_S if may_be_locked else UNLOCKED_WAIT_S
-            failed = None
-            with trio.move_on_after(limit) as waited:
-                failed = await trio.to_thread.run_sync(self._send, ino, off, length,
-                                                       limiter=self._limiter, abandon_on_cancel=True)
-            self._drops += 1
+            failed, late = await self._drop(ino, off, length,
+                                            LOCKED_PAGE_WAIT_S if may_be_locked else UNLOCKED_WAIT_S)
             if failed is not None:
                 # The WRITE itself succeeded: it is answered as such, and the
                 # pages stay as the kernel has them.
-                self._failed += 1
                 log.warning("could not drop pages %d-%d of inode %d from the kernel: %s", first, last, ino, failed)
-            if waited.cancelled_caught:
-                self._late += 1
-                self._last_late += may_be_locked
+            self._last_late += late and may_be_locked
 
     async def drop_file(self, ino):
         """Drop every cached page of ``ino``, as an open without keep_cache would; False if
         the kernel refused or the drop ran over its limit (it then finishes in its thread)."""
-        with trio.move_on_after(UNLOCKED_WAIT_S) as waited:
-            failed = await trio.to_thread.run_sync(self._send, ino, 0, 0, limiter=self._limiter,
-                                                   abandon_on_cancel=True)
-        self._drops += 1
-        self._late += waited.cancelled_caught
-        if not waited.cancelled_caught and failed is not None:
-            self._failed += 1
+        failed, late = await self._drop(ino, 0, 0, UNLOCKED_WAIT_S)      # length 0: to the end
+        if failed is not None:
             log.warning("could not drop the cached pages of inode %d from the kernel: %s", ino, failed)
-        return not waited.cancelled_caught and failed is None
+        return not late and failed is None
+
+    async def _drop(self, ino, off, length, limit):
+        """One drop, waited for at most ``limit`` s: (the error the kernel answered or None, ran over)."""
+        failed = None
+        with trio.move_on_after(limit) as waited:
+            failed = await trio.to_thread.run_sync(self._send, ino, off, length,
+                                                   limiter=self._limiter, abandon_on_cancel=True)
+        self._drops += 1
+        self._failed += failed is not None
+        self._late += waited.cancelled_caught
+        return failed, waited.cancelled_caught
 
     def statistics(self):
         return PageDropStatistics(self._drops, self._late, self._failed, self._last_late)

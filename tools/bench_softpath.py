@@ -110,7 +110,7 @@ class Side:
             return {}
         stats = bl.kvfs_stats(self.kvfs_mnt)
         counters = {name: stats.get(name, 0) for name in self.KVFS_COUNTERS}
-        counters["loop_cpu_seconds"] = bl.thread_cpu_seconds(stats["pid"])
+        counters["loop_cpu_seconds"] = bl.main_thread_cpu_seconds(stats["pid"])
         return counters
 
     def device_bytes_read(self):

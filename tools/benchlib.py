@@ -641,10 +641,10 @@ def fadvise_dontneed(paths):
             os.close(fd)
 
 
-def thread_cpu_seconds(pid, tid=None):
-    """User + system CPU-seconds of one thread (by default the process's main thread:
-    for the kvfs daemon, pyfuse3's and trio's event loop), from /proc."""
-    with open(f"/proc/{pid}/task/{tid or pid}/stat") as f:
+def main_thread_cpu_seconds(pid):
+    """User + system CPU-seconds of the process's main thread (for the kvfs daemon,
+    pyfuse3's and trio's event loop), from /proc."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK      # utime, stime (fields 14, 15)
 
