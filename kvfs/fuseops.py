@@ -223,9 +223,11 @@ class KvfsOperations(pyfuse3.Operations):
         size = self.ns.page_fill_size(info.fh, FILL_MOST)
         if size:
             try:
-                info.keep_cache = await self.page_filler.fill(
+                info.keep_cache, whole = await self.page_filler.fill(
                     inode, size, lambda off, length: self.ns.read(info.fh, off, length), self.ns.views_held,
                     info.keep_cache)
+                if whole:
+                    self.ns.page_fill_done(info.fh, size)
             except Exception:
                 # The open itself succeeded (its handle exists): answer it; the pages
                 # stored so far are the file's bytes, and without keep_cache they go.

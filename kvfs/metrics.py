@@ -120,6 +120,9 @@ METRICS = {
     "read_handoffs": ("kvfs_read_handoffs_total", COUNTER,
                       "Worker-thread calls that read blocks from the device (one per run of adjacent blocks)."),
     "blocks_fetched": ("kvfs_blocks_fetched_total", COUNTER, "Blocks read from the device into the cache."),
+    "read_buffers_mapped": ("kvfs_read_buffers_mapped_total", COUNTER,
+                            "Device reads that found no recycled block buffer and mapped a fresh one "
+                            "(a page fault and a zeroing per 4 KiB)."),
     "blocks_flushed": ("kvfs_blocks_flushed_total", COUNTER, "Dirty blocks stored on the device (or found there)."),
     "flush_batches": ("kvfs_flush_batches_total", COUNTER,
                       "Flush worker calls: one large block, or a batch of small ones stored with one "

@@ -86,26 +86,27 @@ class PageFiller:
         self._s = collections.Counter()
 
     async def fill(self, ino, size, read, views_held, keep_cache):
-        """Store the first ``size`` bytes of ``ino`` in the kernel; returns the keep_cache to answer.
+        """Store the first ``size`` bytes of ``ino`` in the kernel.
 
         ``read(off, n)`` returns the file's bytes (a view of the block cache's buffer,
         valid while ``views_held()`` is held); ``keep_cache`` is what the namespace
-        would answer.
+        would answer. Returns (the keep_cache to answer, whether every byte was stored).
         """
         if self._fences[ino]:
-            return keep_cache              # its content is changing: no fill now
+            return keep_cache, False       # its content is changing: no fill now
         self._running[ino] += 1
         try:
             if not keep_cache and not await self.dropper.drop_file(ino):
-                return False               # the pages the open must drop are not dropped: leave it to the open
+                return False, False        # the pages the open must drop are not dropped: leave it to the open
             deadline = trio.current_time() + FILL_WAIT_S
+            stored = []
             with views_held():
                 async with trio.open_nursery() as nursery:
                     for off in range(0, size, self.block_size):
                         nursery.start_soon(self._fill_block, ino, off, min(self.block_size, size - off),
-                                           read, deadline)
+                                           read, deadline, stored)
             self._s["fills"] += 1
-            return True
+            return True, sum(stored) == size
         finally:
             self._running[ino] -= 1
             if not self._running[ino]:
@@ -114,7 +115,7 @@ class PageFiller:
                 if ended is not None:
                     ended.set()
 
-    async def _fill_block(self, ino, off, length, read, deadline):
+    async def _fill_block(self, ino, off, length, read, deadline, stored):
         data = None
         with trio.move_on_at(deadline):
             try:
@@ -129,6 +130,7 @@ class PageFiller:
         refused = await trio.to_thread.run_sync(self._store, ino, off, data, limiter=self._limiter)
         if refused is None:
             self._s["bytes"] += length
+            stored.append(length)
         else:
             self._s["refused"] += 1
             log.warning("the kernel refused pages of inode %d at %d: %s", ino, off, refused)

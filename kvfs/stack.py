@@ -247,6 +247,7 @@ class Filesystem:
             "prefetch_inflight_max": cache.prefetch_inflight_max,
             "read_handoffs": cache.read_handoffs,
             "blocks_fetched": cache.blocks_fetched,
+            "read_buffers_mapped": cache.read_buffers_mapped,
             "blocks_flushed": cache.blocks_flushed,
             "flush_batches": cache.flush_batches,
             "flush_batch_max": cache.flush_batch_max,

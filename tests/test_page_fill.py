@@ -94,11 +94,12 @@ def test_a_rewrite_after_a_fill_is_read_back(filled):
     assert read_whole(path) == old                    # filled into the kernel
     assert fs.stats()["page_fills"] == 1
     write_new(path, new)                              # O_TRUNC and one write, as LMCache does
-    assert read_whole(path) == new
+    assert read_whole(path) == new                    # filled too if the flush was quicker than this open
     fs.flush()
     make_cold(fs)
+    fills = fs.stats()["page_fills"]
     assert read_whole(path) == new                    # the new content, filled in its turn
-    assert fs.stats()["page_fills"] == 2
+    assert fs.stats()["page_fills"] == fills + 1
 
 
 def test_a_truncate_and_an_o_rdwr_write_after_a_fill_are_read_back(filled):

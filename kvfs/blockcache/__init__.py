@@ -46,6 +46,7 @@ class CacheStatistics:
     blocks_fetched: int          # blocks those calls read from the device
     flush_batches: int           # flush worker calls: one block, or a batch of small ones
     flush_batch_max: int         # the most blocks one such call stored
+    read_buffers_mapped: int     # device reads that had no recycled buffer and mapped a fresh one
 
 
 class BlockCache(ReadSide, WriteBack):
@@ -145,7 +146,7 @@ class BlockCache(ReadSide, WriteBack):
                                s["zero_blocks"], s["throttled"], s["bytes_read"], s["bytes_written"],
                                s["read_requests"], s["write_requests"], self._buffer_bytes(),
                                s["read_handoffs"], s["blocks_fetched"], s["flush_batches"],
-                               s["flush_batch_max"])
+                               s["flush_batch_max"], s["read_buffers_mapped"])
 
     def _buffer_bytes(self):
         spare = len(self._spare) + len(self._clean_spare) + len(self._quarantine)

@@ -65,6 +65,15 @@ class ReadSide:
             self._clean_bytes -= len(old)
             self._recycle(old)
 
+    def forget_clean(self, filedata):
+        """``filedata``'s stored blocks leave the clean cache; their buffers are
+        reused once no read() can still hold a view of them."""
+        for key in filedata.blocks:
+            view = self._clean.pop(key, None) if isinstance(key, bytes) else None
+            if view is not None:
+                self._clean_bytes -= len(view)
+                self._recycle(view)
+
     def drop_clean(self):
         for view in self._clean.values():
             self._recycle(view)
@@ -94,7 +103,10 @@ class ReadSide:
         # A retired dirty buffer is already faulted in, and the device read
         # overwrites all of it: a fresh one costs a page fault and a zeroing
         # per 4 KiB, more than the read (the first cold reads after writes).
-        return self._spare.pop()[0] if self._spare else None
+        if self._spare:
+            return self._spare.pop()[0]
+        self._s["read_buffers_mapped"] += 1        # the device layer maps a fresh one
+        return None
 
     async def read(self, filedata, off, size):
         if filedata.failed:

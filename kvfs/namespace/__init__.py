@@ -165,6 +165,8 @@ class Namespace(Durability, KernelPages, TruncationWindow):
         inode = self.tree.inodes.get(ino) or self.tree.orphans.get(ino)
         if inode is not None:
             inode.lookups = max(0, inode.lookups - count)
+            if not inode.lookups:
+                inode.filled_version = -1      # the kernel let go of the inode, and of its pages
             self.tree.maybe_destroy(inode)
 
     def attr(self, ino):
@@ -393,7 +395,8 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             return fh, True, keep
         if not writable:
             self.evictor.accessed(inode)
-            self.handles[fh].cold_blocks = self.cache.prefetch_on_open(inode.data)
+            if not self.pages_filled(inode):       # else the kernel holds them all: nothing to fetch
+                self.handles[fh].cold_blocks = self.cache.prefetch_on_open(inode.data)
         return fh, False, keep
 
     def _truncate_now(self, inode):
@@ -415,7 +418,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             raise BadDescriptor() from None
 
     async def read(self, fh, off, size):
-        reads = None if (h := self.handle(fh)).o_direct else h.inode.page_reads   # O_DIRECT caches no pages
+        reads = self._page_cache_read(self.handle(fh))
         if reads is None:
             return await self.cache.read(self._read_source(fh), off, size)
         return await self._read_under_page_writers(reads, self._read_source(fh), off, size)
@@ -486,9 +489,6 @@ class Namespace(Durability, KernelPages, TruncationWindow):
     def count_lookup(self, ino):
         if ino >= FIRST_INO:
             self.inode(ino).lookups += 1
-
-    def drop_caches(self):
-        self.cache.drop_clean()
 
     def statistics(self):
         c = self._checkpoint_stats

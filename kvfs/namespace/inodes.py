@@ -161,7 +161,7 @@ def _rare(name, default):
 class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "atime", "mtime", "ctime",
                  "data", "committed", "size_committed", "content_key", "content_version",
-                 "cached_version", "lookups", "names", "kernel_mtime", "rdev", "evicted", "_rare")
+                 "cached_version", "filled_version", "lookups", "names", "kernel_mtime", "rdev", "evicted", "_rare")
 
     # rdev and evicted stay slots although they are almost always 0 and False:
     # every attribute reply reads rdev and every request's inode lookup reads
@@ -192,6 +192,7 @@ class Inode:
         self.content_key = None
         self.content_version = 0           # bumped on every content change
         self.cached_version = -1           # content version the kernel page cache holds
+        self.filled_version = -1           # content version a page fill stored whole in the kernel (pagecache.py)
         self.lookups = 0
         self.kernel_mtime = None           # the mtime last put in an attribute reply (None: not yet)
         self.names = () if stat.S_ISREG(mode) else None      # files: see add_name, for eviction

@@ -111,6 +111,8 @@ class KernelPages:
             # they were cached.
             keep = not writable and not inode.writers and inode.cached_version == inode.content_version
             inode.cached_version = inode.content_version
+            if not keep:
+                inode.filled_version = -1      # this open makes the kernel drop the pages
         if page_writer:
             if not inode.page_writers and inode.kernel_mtime is None:
                 inode.kernel_mtime = inode.mtime
@@ -137,6 +139,51 @@ class KernelPages:
         """Views that :meth:`read` returns inside stay valid (BlockCache.views_held)."""
         return self.cache.views_held()
 
+    # After a page fill stored a whole file, the kernel holds every page of it,
+    # and kvfs's clean copy of its blocks is the same bytes a second time. The
+    # blocks leave the clean cache at once: their buffers take the next device
+    # reads, where a fresh buffer costs a page fault and a zeroing per 4 KiB
+    # (about as much as the device read), and the RAM is not spent twice.
+    # Until something says the kernel lost pages, a reopen then neither
+    # prefetches nor fills. What says so: an open answered without keep_cache
+    # (the kernel drops the pages), a content change (a new version), a new
+    # mtime in an attribute reply (auto_inval_data), the kernel forgetting the
+    # inode, a READ (the kernel found a page missing), and kvfs-admin
+    # drop-caches (benchmarks and tests drop the kernel's cache with it). The
+    # first read after a loss the daemon missed goes through READs and
+    # readahead, as without page fills; the next open fills again.
+
+    def page_fill_done(self, fh, size):
+        """The FUSE layer stored the first ``size`` bytes of the file open at ``fh`` in the kernel."""
+        inode = self.handle(fh).inode
+        # Not while the kernel holds an older mtime: the next stat (Python's open()
+        # makes one right after the open) gets the new one, and the kernel then
+        # drops every page (auto_inval_data). The READs that follow are served
+        # from the clean cache, so it keeps the blocks.
+        if size == inode.size and inode.cached_version == inode.content_version and \
+                inode.kernel_mtime == inode.mtime:
+            inode.filled_version = inode.content_version
+            self.cache.forget_clean(inode.data)
+
+    @staticmethod
+    def pages_filled(inode):
+        """Whether the kernel holds every page of ``inode``'s content, as far as kvfs knows."""
+        return inode.filled_version == inode.content_version
+
+    @staticmethod
+    def _page_cache_read(h):
+        """A read on handle ``h``: returns where to note it (``page_reads``), or None."""
+        if h.o_direct:
+            return None                        # O_DIRECT caches no pages
+        h.inode.filled_version = -1            # a READ: the kernel lacks a page
+        return h.inode.page_reads
+
+    def drop_caches(self):
+        """kvfs-admin drop-caches: empty the clean cache and forget every page fill."""
+        self.cache.drop_clean()
+        for inode in self.tree.inodes.values():    # O(inodes): an operator's command, not a request path
+            inode.filled_version = -1
+
     @staticmethod
     def _shielded(inode):
         return inode.page_writers and not inode.direct_writes_under_page_writers
@@ -145,6 +192,8 @@ class KernelPages:
         """(mtime, held back) for an attribute reply (see the module doc)."""
         if self._shielded(inode):              # the first page-cache writer's open set kernel_mtime
             return inode.kernel_mtime, inode.kernel_mtime != inode.mtime
+        if inode.kernel_mtime != inode.mtime:
+            inode.filled_version = -1          # a new mtime: the kernel drops the pages (auto_inval_data)
         inode.kernel_mtime = inode.mtime
         return inode.mtime, False
 

@@ -79,7 +79,7 @@ async def test_a_fill_sends_each_block_once_as_the_files_bytes(tmp_path):
         filler = filler_on(conn)
         kept = await filler.fill(ino, len(data), lambda off, n: fs.ns.read(fh, off, n), fs.ns.views_held, True)
         await fs.ns.release(fh)
-    assert kept is True
+    assert kept == (True, True)                                 # answered with keep_cache, whole
     stores = sorted(conn.messages())
     assert [(kind, i, off) for kind, i, off, _ in stores] == [("store", ino, 0), ("store", ino, BS),
                                                               ("store", ino, 2 * BS)]
@@ -100,7 +100,7 @@ async def test_an_open_without_keep_cache_drops_the_pages_before_it_fills(tmp_pa
         kept = await filler_on(conn).fill(ino, len(data), lambda off, n: fs.ns.read(fh, off, n),
                                           fs.ns.views_held, keep)
         await fs.ns.release(fh)
-    assert kept is True                                         # no stale page is left to keep
+    assert kept == (True, True)                                 # no stale page is left to keep
     messages = conn.messages()
     assert messages[0] == ("drop", ino, 0, 0)                   # the whole file, first
     assert messages[1:] == [("store", ino, 0, data)]
@@ -123,7 +123,7 @@ async def test_a_fence_waits_for_a_running_fill_and_no_fill_starts_inside_it(tmp
         async with filler.fenced(ino):
             events.append("fenced")
             # A fill that starts now sends nothing and answers what the namespace said.
-            assert await filler.fill(ino, len(data), gated_read, fs.ns.views_held, False) is False
+            assert await filler.fill(ino, len(data), gated_read, fs.ns.views_held, False) == (False, False)
             events.append("refused")
 
     async with running(fs):
@@ -161,7 +161,8 @@ async def test_a_block_not_read_in_time_is_left_to_readahead(tmp_path):
         ino, fh, _ = await a_file(fs, data)
         filler = filler_on(conn)
         start = trio.current_time()
-        assert await filler.fill(ino, len(data), second_block_hangs, fs.ns.views_held, True) is True
+        # Kept, but not whole: the namespace must not take the kernel to hold the file.
+        assert await filler.fill(ino, len(data), second_block_hangs, fs.ns.views_held, True) == (True, False)
         assert FILL_WAIT_S <= trio.current_time() - start < FILL_WAIT_S + 5
         await fs.ns.release(fh)
     assert conn.messages() == [("store", ino, 0, data[:BS])]
@@ -186,4 +187,80 @@ async def test_warm_writable_and_o_direct_opens_are_not_filled(tmp_path):
         assert [fs.ns.page_fill_size(h, 1 << 30) for h in (warm, direct, writer, reader)] == [0, 0, 0, 0]
         for h in (fh, warm, direct, writer, reader):
             await fs.ns.release(h)
+    close_and_check(fs)
+
+
+async def test_a_whole_fill_hands_the_blocks_to_the_kernel_until_a_sign_it_lost_them(tmp_path):
+    """After a whole file is stored in the kernel its blocks leave the clean cache and
+    their buffers take the next device reads; reopens fetch nothing until an open
+    without keep_cache, a READ, a write, a new mtime, the kernel's FORGET or
+    drop-caches says the pages may be gone."""
+    fs = open_fs(mkfs(tmp_path))
+    conn = Connection()
+    data, other = pattern(6, 3 * BS + 10), pattern(7, 3 * BS)
+    async with running(fs):
+        other_ino = await write_file(fs.ns, ROOT_INO, b"other", other)
+        ino, fh, _ = await a_file(fs, data)
+        cache = fs.ns.cache
+
+        async def fill(handle, size):
+            keep, whole = await filler_on(conn).fill(ino, size, lambda off, n: fs.ns.read(handle, off, n),
+                                                     fs.ns.views_held, True)
+            assert keep is True
+            if whole:
+                fs.ns.page_fill_done(handle, size)
+            return whole
+
+        # Not while the kernel holds an older mtime: its next stat drops the pages.
+        inode = fs.ns.inode(ino)
+        assert await fill(fh, len(data)) is True and inode.kernel_mtime != inode.mtime
+        assert fs.ns.pages_filled(inode) is False and cache.statistics().cache_bytes > 0
+        fs.ns.mtime_for_kernel(inode)                               # an attribute reply, as fuseops sends
+        # A fill of only part of the file (FILL_MOST) hands nothing over.
+        assert await fill(fh, BS) is True
+        assert fs.ns.pages_filled(fs.ns.inode(ino)) is False and cache.statistics().cache_bytes > 0
+        assert await fill(fh, len(data)) is True
+        assert fs.ns.pages_filled(inode)
+        assert cache.statistics().cache_bytes == 0                  # the kernel holds them; kvfs does not
+        mapped = cache.statistics().read_buffers_mapped
+
+        # The next cold read reuses those buffers: no fresh mapping.
+        oh, _, _ = fs.ns.open(other_ino, os.O_RDONLY)
+        assert bytes(await fs.ns.read(oh, 0, len(other))) == other
+        assert cache.statistics().read_buffers_mapped == mapped
+        await fs.ns.release(oh)
+
+        # A reopen fetches nothing and is not filled again.
+        fetched = cache.statistics().blocks_fetched
+        again, _, keep = fs.ns.open(ino, os.O_RDONLY)
+        assert keep is True and fs.ns.page_fill_size(again, 1 << 30) == 0
+        assert cache.statistics().blocks_fetched == fetched
+
+        # Each sign of lost pages ends it; the next open is cold and fills again.
+        def lost(sign):
+            assert fs.ns.pages_filled(inode) is False, sign
+            inode.filled_version = inode.content_version             # as after another whole fill
+
+        assert bytes(await fs.ns.read(again, 0, 10)) == data[:10]    # a READ
+        lost("read")
+        fs.ns.drop_caches()
+        lost("drop-caches")
+        inode.mtime += 1                                            # utimens
+        fs.ns.mtime_for_kernel(inode)
+        lost("a new mtime told to the kernel")
+        direct, _, _ = fs.ns.open(ino, os.O_RDONLY | os.O_DIRECT)
+        await fs.ns.read(direct, 0, BS)                             # O_DIRECT caches no pages: no sign
+        assert fs.ns.pages_filled(inode)
+        writer, _, _ = fs.ns.open(ino, os.O_RDWR)                   # answered without keep_cache
+        lost("open without keep_cache")
+        await fs.ns.write(writer, 0, b"x")                          # a new version
+        assert fs.ns.pages_filled(inode) is False
+        for h in (fh, again, direct, writer):
+            await fs.ns.release(h)
+        inode.filled_version = inode.content_version
+        fs.ns.forget(ino, inode.lookups - 1)
+        assert fs.ns.pages_filled(inode)                            # still looked up
+        fs.ns.forget(ino, 1)                                        # the kernel let go of the inode
+        lost("forget")
+    conn.close()
     close_and_check(fs)
