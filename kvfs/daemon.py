@@ -20,6 +20,7 @@ import trio
 
 from .errors import Fenced, InvalidArgument, KvfsError
 from .fuseops import KvfsOperations
+from .fuseloop import RequestWait
 from .gcpolicy import FreezeAfterFullCollections
 from .metrics import MetricsServer
 from .opsstats import OpsStats
@@ -55,6 +56,7 @@ class MountOptions:
     dedup_verify: bool = False        # compare bytes on every dedup hit (dedup_verify=bytes)
     mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
     page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/pagefill.py)
+    request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuseloop.py)
 
     force: bool = False               # take over a store whose MMP record is in use, without waiting
 
@@ -95,6 +97,7 @@ class Daemon:
         self._commands_running = 0
         self._page_dropper = None
         self._page_filler = None
+        self._request_wait = None       # kvfs/fuseloop.py, once pyfuse3 is initialised
         self._ops = None                # the KvfsOperations being served
 
     def stats(self):
@@ -106,7 +109,7 @@ class Daemon:
         stats["gc_frozen_counted_s_ago"] = gc_stats.frozen_counted_s_ago
         stats["control_commands_running"] = self._commands_running
         stats["kernel_read_requests"] = self._ops.kernel_reads if self._ops is not None else 0
-        for kernel_pages in (self._page_dropper, self._page_filler):
+        for kernel_pages in (self._page_dropper, self._page_filler, self._request_wait):
             if kernel_pages is not None:
                 stats.update(dataclasses.asdict(kernel_pages.statistics()))
         return stats
@@ -149,7 +152,10 @@ class Daemon:
         self._begin_stop()
         if not self._stopping:
             self._stopping = True
-            pyfuse3.terminate()
+            if self._request_wait is not None:
+                self._request_wait.terminate()
+            else:
+                pyfuse3.terminate()
 
     async def _watch_signals(self):
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -174,6 +180,8 @@ class Daemon:
         ops = self._ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
         pyfuse3.init(ops, self.mountpoint, fuse_options)
         ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
+        if self._page_dropper is not None and self.options.request_poll:
+            self._request_wait = RequestWait.install(self._page_dropper.fd)
         if self._page_dropper is not None and self.options.page_fill:
             ops.page_filler = self._page_filler = PageFiller(self._page_dropper.fd, self._page_dropper,
                                                              self.fs.ns.block_size)

@@ -36,7 +36,8 @@ ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
                        "dedupdomains": "blockindex",   # the block index's dedup domains
                        "pagedrops": "fuseops",    # kernel page drops, sent from the FUSE layer
-                       "pagefill": "fuseops"}     # kernel page fills, sent from the FUSE layer
+                       "pagefill": "fuseops",     # kernel page fills, sent from the FUSE layer
+                       "fuseloop": "fuseops"}     # pyfuse3's wait for the next request
 
 
 def top_package(module):

@@ -1,0 +1,93 @@
+"""pyfuse3's wait for the next FUSE request, without an epoll round trip when one is queued.
+
+Part of the FUSE layer: kvfs/daemon.py installs it after pyfuse3.init().
+
+Why. pyfuse3's request loop (``_session_loop`` in its internal.pxi) awaits
+``_wait_fuse_readable()`` before every read of /dev/fuse, and that always
+calls ``trio.lowlevel.wait_readable``: an ``epoll_ctl`` to arm the fd (trio
+registers it one-shot), a pass through trio's I/O wait to see it fire, and a
+reschedule of the task. That happens even when the next request is already
+queued, which is the usual case while an engine creates, stats or unlinks
+thousands of files: perf put about a fifth of the loop thread's time in the
+re-arming on the create path (issue 10).
+
+What this does. The same wait, except that once the task holds the read lock
+it first asks ``poll()`` with a zero timeout whether a request is queued, and
+if one is, returns at once. Two properties of the original are kept:
+
+* fairness: taking the lock is a trio checkpoint, so other tasks (replies of
+  handlers that awaited the device, flush completions) still run between
+  requests;
+* no await between "readable" and the caller's read, which is a blocking
+  read of /dev/fuse: with nothing queued it would stall the whole loop.
+
+pyfuse3 looks the function up in its module globals on every call (Cython's
+``__Pyx_GetModuleGlobalName``), so replacing the module attribute takes effect.
+pyfuse3's own copy also counts waiting readers in a C-level field that Python
+cannot reach; without that count pyfuse3 keeps up to ``max_tasks`` request
+tasks instead of retiring idle ones, which costs a few KiB of memory, nothing
+else. It also checks, under the lock, whether the session has exited: that
+flag is not reachable either, so kvfs ends the session through
+:meth:`RequestWait.terminate`, which a waiting task checks in its place.
+
+Only pyfuse3 versions whose loop was read for this are patched
+(``PYFUSE3_VERSIONS``); with any other, pyfuse3 is left alone.
+"""
+import dataclasses
+import select
+
+import pyfuse3
+import trio
+
+PYFUSE3_VERSIONS = ("3.5.0",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestWaitStatistics:
+    fuse_waits_queued: int      # waits that found a request already queued (no epoll)
+    fuse_waits_idle: int        # waits that parked in trio's epoll until one came
+
+
+class RequestWait:
+    """The replacement for ``pyfuse3._wait_fuse_readable`` on the session's /dev/fuse ``fd``."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.stopping = False
+        self._lock = trio.Lock()
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+        self._queued = 0
+        self._idle = 0
+
+    @classmethod
+    def install(cls, fd):
+        """Replace pyfuse3's wait with one on ``fd``; returns it, or None if this pyfuse3 is not known."""
+        if pyfuse3.__version__ not in PYFUSE3_VERSIONS or not hasattr(pyfuse3, "_wait_fuse_readable"):
+            return None
+        wait = cls(fd)
+        pyfuse3._wait_fuse_readable = wait.wait
+        return wait
+
+    def terminate(self):
+        """End the session: what ``pyfuse3.terminate()`` does, plus the exit check waiting tasks make."""
+        self.stopping = True
+        pyfuse3.terminate()
+
+    async def wait(self):
+        """True once a request can be read without blocking; False when the loop should end."""
+        try:
+            async with self._lock:
+                if self.stopping:
+                    return False
+                if self._poll.poll(0):
+                    self._queued += 1
+                    return True
+                self._idle += 1
+                await trio.lowlevel.wait_readable(self.fd)
+        except trio.ClosedResourceError:       # pyfuse3.terminate() woke us with notify_closing
+            return False
+        return True
+
+    def statistics(self):
+        return RequestWaitStatistics(self._queued, self._idle)

@@ -1,0 +1,50 @@
+"""The daemon's wait for the next FUSE request (kvfs/fuseloop.py), through a real mount.
+
+Every mounted test runs its requests through it; this one checks that
+concurrent requests are taken from the queue without parking in epoll, that
+``request_poll=off`` leaves pyfuse3's own wait in place, and that the daemon
+still unmounts cleanly either way (fsck at the end, by the fixture).
+"""
+import os
+import threading
+
+import pytest
+
+LOOKUPS_PER_THREAD = 2000
+
+
+def miss_lookups(directory, threads=4):
+    """Stat names that do not exist, from several threads: each is a LOOKUP the kernel cannot answer."""
+    def work(t):
+        for i in range(LOOKUPS_PER_THREAD):
+            try:
+                os.stat(directory / f"absent-{t}-{i}")
+            except FileNotFoundError:
+                continue
+            raise AssertionError("an absent name was found")
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return threads * LOOKUPS_PER_THREAD
+
+
+@pytest.mark.parametrize("poll", ["on", "off"])
+def test_queued_requests_are_taken_without_an_epoll_wait(kvfs_factory, poll):
+    fs = kvfs_factory(mount_options=[f"request_poll={poll}"])
+    fs.mkfs()
+    fs.mount()
+    before = fs.stats()
+    lookups = miss_lookups(fs.mnt)
+    stats = fs.stats()
+    if poll == "off":
+        assert "fuse_waits_queued" not in stats and "fuse_waits_idle" not in stats, stats
+    else:
+        waits = sum(stats[k] - before[k] for k in ("fuse_waits_queued", "fuse_waits_idle"))
+        assert waits >= lookups, (waits, lookups)           # one wait per request at least
+        # Four threads keep requests queued: most waits find one without parking.
+        assert stats["fuse_waits_queued"] - before["fuse_waits_queued"] > lookups // 4, stats
+    fs.remount()                                             # a clean unmount, and a mount again
+    assert miss_lookups(fs.mnt, threads=1)
