@@ -86,7 +86,9 @@ def test_cold_read_is_prefetched_in_parallel(kvfs):
     assert stats["prefetch_inflight_max"] >= 8, stats
     assert stats["device_reads_inflight_max"] >= 8
     assert stats["cache_misses"] >= 32             # every block came from the device once
-    assert stats["cache_bytes"] >= 32 * MiB
+    # Each block is held by kvfs's cache or, once a page fill stored the whole
+    # file, by the kernel's page cache instead (docs/reliability.md, "Page fills").
+    assert stats["cache_bytes"] + stats["page_fill_bytes"] >= 32 * MiB, stats
 
 
 def test_concurrent_readers_share_one_prefetch(kvfs):
