@@ -12,8 +12,8 @@ thousands of files: perf put about a fifth of the loop thread's time in the
 re-arming on the create path (issue 10).
 
 What this does. The same wait, except that once the task holds the read lock
-it first asks ``poll()`` with a zero timeout whether a request is queued, and
-if one is, returns at once. Two properties of the original are kept:
+it first asks ``poll()`` with a zero timeout, keeping the GIL, whether a
+request is queued, and if one is, returns at once. Two properties of the original are kept:
 
 * fairness: taking the lock is a trio checkpoint, so other tasks (replies of
   handlers that awaited the device, flush completions) still run between
@@ -33,6 +33,8 @@ flag is not reachable either, so kvfs ends the session through
 Only pyfuse3 versions whose loop was read for this are patched
 (``PYFUSE3_VERSIONS``); with any other, pyfuse3 is left alone.
 """
+import ctypes
+import ctypes.util
 import dataclasses
 import select
 
@@ -40,6 +42,21 @@ import pyfuse3
 import trio
 
 PYFUSE3_VERSIONS = ("3.5.0",)
+
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+assert ctypes.sizeof(_PollFd) == 8                  # struct pollfd (poll(2))
+
+# poll(2) through PyDLL, which keeps the GIL across the call: a zero-timeout
+# poll returns at once, and releasing the GIL for it (select.poll does) let a
+# worker thread take it, so the loop then waited for the GIL on nearly every
+# request (py-spy: a third of the loop thread's busy time at that line).
+_libc_poll = ctypes.PyDLL(ctypes.util.find_library("c"), use_errno=True).poll
+_libc_poll.argtypes = (ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int)
+_libc_poll.restype = ctypes.c_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +72,8 @@ class RequestWait:
         self.fd = fd
         self.stopping = False
         self._lock = trio.Lock()
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN)
+        self._pollfd = _PollFd(fd, select.POLLIN, 0)
+        self._pollfd_at = ctypes.addressof(self._pollfd)
         self._queued = 0
         self._idle = 0
 
@@ -80,7 +97,7 @@ class RequestWait:
             async with self._lock:
                 if self.stopping:
                     return False
-                if self._poll.poll(0):
+                if _libc_poll(self._pollfd_at, 1, 0) > 0:     # -1 (EINTR): wait as usual
                     self._queued += 1
                     return True
                 self._idle += 1
