@@ -7,7 +7,6 @@ after a fill is seen by the next reader, never the filled bytes; a corrupt or
 unreadable block still reads as EIO. Every test ends with fsck (the fixture).
 """
 import errno
-import hashlib
 import mmap
 import os
 import random
