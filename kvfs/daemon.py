@@ -135,7 +135,7 @@ class Daemon:
         if name == "flush":
             await self.fs.ns.flush_all()
         elif name == "count-frozen":
-            self._gc.count_frozen()
+            self._gc.collect_and_count()
         elif name == "drop-caches":
             self.fs.ns.drop_caches()
         elif name == "checkpoint":

@@ -13,7 +13,8 @@ re-arming on the create path (issue 10).
 
 What this does. The same wait, except that once the task holds the read lock
 it first asks ``poll()`` with a zero timeout, keeping the GIL, whether a
-request is queued, and if one is, returns at once. Two properties of the original are kept:
+request is queued, and if one is, returns at once. Two properties of the
+original are kept:
 
 * fairness: taking the lock is a trio checkpoint, so other tasks (replies of
   handlers that awaited the device, flush completions) still run between

@@ -108,6 +108,19 @@ class FreezeAfterFullCollections:
         self._counted_at = time.monotonic()
         return self._frozen
 
+    def collect_and_count(self):
+        """A full collection now (its survivors are frozen, as after any), then the count.
+
+        Without it the count depends on when the last automatic full collection
+        ran: whatever was alive then (requests in flight, up to ``max_tasks``
+        request tasks made since) is frozen, and a count taken before that
+        collection does not include it. Two counts taken this way differ only by
+        what really stayed: live objects that grew, or cycles frozen and lost.
+        The pause walks only what is not frozen yet.
+        """
+        gc.collect()
+        return self.count_frozen()
+
     def statistics(self):
         if self._counted_at is None or time.monotonic() - self._counted_at > FROZEN_COUNT_MAX_AGE_S:
             self.count_frozen()

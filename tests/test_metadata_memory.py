@@ -37,7 +37,7 @@ def test_memory_and_metadata_stay_flat_as_files_come_and_go(kvfs):
     for round_no in range(WARM_UP):                      # the heap and malloc's arenas grow once
         churn(kvfs.mnt, round_no)
     kvfs.flush()
-    kvfs.admin("count-frozen", kvfs.mnt)              # stats show the count as last taken
+    kvfs.admin("count-frozen", kvfs.mnt)              # a full collection, then the count stats show
     before = kvfs.stats()
     for round_no in range(WARM_UP, WARM_UP + ROUNDS):
         churn(kvfs.mnt, round_no)

@@ -28,8 +28,8 @@ CONTROL_COMMANDS = {
     "flush": "make all written data and metadata durable",
     "drop-caches": "empty kvfs's clean block cache (makes the next reads cold)",
     "checkpoint": "flush, then write a checkpoint and empty the journal",
-    "count-frozen": "recount the objects frozen out of garbage collection now "
-                    "(stats' gc_frozen_objects; a walk of all of them)",
+    "count-frozen": "run a full garbage collection (its survivors are frozen), then recount the "
+                    "objects frozen out of collection (stats' gc_frozen_objects; a walk of all of them)",
     "umount": "flush, unmount and wait for the daemon to exit",
 }
 

@@ -171,3 +171,14 @@ def test_frozen_when_loaded_pauses_collections_then_freezes_what_the_load_made()
         assert tracked_in_generations() < 1_000     # the first collection after it walks none of them
     finally:
         gc.unfreeze()
+
+
+def test_collect_and_count_freezes_what_is_alive_and_counts_it(policy):
+    counted = policy.count_frozen()
+    alive = [[i] for i in range(5_000)]              # tracked, not frozen yet
+    assert policy.count_frozen() == counted          # a plain count does not see them
+    full = policy.statistics().full_collections
+    assert policy.collect_and_count() >= counted + len(alive)
+    assert policy.statistics().full_collections == full + 1
+    assert policy.statistics().frozen_objects >= counted + len(alive)   # the count stats report
+    del alive
