@@ -6,9 +6,10 @@ concurrent requests are taken from the queue without parking in epoll, that
 still unmounts cleanly either way (fsck at the end, by the fixture).
 """
 import os
-import threading
 
 import pytest
+
+from threads import run_in_threads
 
 LOOKUPS_PER_THREAD = 2000
 
@@ -23,11 +24,7 @@ def miss_lookups(directory, threads=4):
                 continue
             raise AssertionError("an absent name was found")
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_in_threads(work, range(threads))            # re-raises a worker's failure here
     return threads * LOOKUPS_PER_THREAD
 
 

@@ -15,6 +15,10 @@ import trio.testing
 from kvfs.fuseloop import PYFUSE3_VERSIONS, RequestWait
 
 
+async def answer_into(answers, wait):
+    answers.append(await wait.wait())
+
+
 @pytest.fixture
 def pipe():
     r, w = os.pipe()
@@ -36,12 +40,8 @@ async def test_with_nothing_queued_it_parks_until_a_request_comes(pipe):
     r, w = pipe
     wait = RequestWait(r)
     answers = []
-
-    async def waiter():
-        answers.append(await wait.wait())
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(waiter)
+        nursery.start_soon(answer_into, answers, wait)
         await trio.testing.wait_all_tasks_blocked()
         assert answers == []                       # parked: nothing to read
         os.write(w, b"request")
@@ -76,13 +76,9 @@ async def test_a_stopped_session_ends_parked_and_later_waits(pipe):
     r, w = pipe
     wait = RequestWait(r)
     answers = []
-
-    async def waiter():
-        answers.append(await wait.wait())
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(waiter)
-        nursery.start_soon(waiter)                 # queued behind the first, on the lock
+        nursery.start_soon(answer_into, answers, wait)
+        nursery.start_soon(answer_into, answers, wait)   # queued behind the first, on the lock
         await trio.testing.wait_all_tasks_blocked()
         # What RequestWait.terminate() does, without a FUSE session to end:
         # pyfuse3.terminate() is fuse_session_exit plus notify_closing of the fd.

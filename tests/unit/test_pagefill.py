@@ -218,7 +218,7 @@ async def test_a_whole_fill_hands_the_blocks_to_the_kernel_until_a_sign_it_lost_
         fs.ns.mtime_for_kernel(inode)                               # an attribute reply, as fuseops sends
         # A fill of only part of the file (FILL_MOST) hands nothing over.
         assert await fill(fh, BS) is True
-        assert fs.ns.pages_filled(fs.ns.inode(ino)) is False and cache.statistics().cache_bytes > 0
+        assert fs.ns.pages_filled(inode) is False and cache.statistics().cache_bytes > 0
         assert await fill(fh, len(data)) is True
         assert fs.ns.pages_filled(inode)
         assert cache.statistics().cache_bytes == 0                  # the kernel holds them; kvfs does not
