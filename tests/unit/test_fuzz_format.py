@@ -391,6 +391,12 @@ hostile_ints = st.one_of(st.sampled_from([-1, -(1 << 63), 0, 1, 2, 15, 16, (1 <<
                          st.integers(-1000, 1 << 40))
 
 
+def intact(dirs):
+    """The directory rows whose payload an earlier "row-field" edit left a [parent, [entries]] pair."""
+    return [r for r in dirs if len(r) > 9 and isinstance(r[9], list) and len(r[9]) == 2
+            and isinstance(r[9][1], list)]
+
+
 @st.composite
 def hostile_state(draw, wire):
     wire = json.loads(json.dumps(wire, default=lambda b: {"__b": b.hex()}),
@@ -406,14 +412,14 @@ def hostile_state(draw, wire):
             inodes.append(list(draw(st.sampled_from(inodes))))
         elif edit == "drop-row":
             inodes.remove(draw(st.sampled_from(inodes)))
-        elif edit == "dangling-entry":
-            draw(st.sampled_from(dirs))[9][1].append([b"ghost", draw(hostile_ints)])
-        elif edit == "cycle":
-            a, b = draw(st.sampled_from(dirs)), draw(st.sampled_from(dirs))
+        elif edit == "dangling-entry" and intact(dirs):
+            draw(st.sampled_from(intact(dirs)))[9][1].append([b"ghost", draw(hostile_ints)])
+        elif edit == "cycle" and intact(dirs):
+            a, b = draw(st.sampled_from(intact(dirs))), draw(st.sampled_from(intact(dirs)))
             b[9][1].append([b"loop", a[0]])
             a[9][0] = b[0]
-        elif edit == "dir-hardlink":
-            draw(st.sampled_from(dirs))[9][1].append([b"again", draw(st.sampled_from(dirs))[0]])
+        elif edit == "dir-hardlink" and intact(dirs):
+            draw(st.sampled_from(intact(dirs)))[9][1].append([b"again", draw(st.sampled_from(dirs))[0]])
         elif edit == "block-field" and blocks:
             row = draw(st.sampled_from(blocks))
             row[draw(st.integers(0, 3))] = draw(hostile_ints | msgpack_values)
