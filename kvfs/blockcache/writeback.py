@@ -378,3 +378,10 @@ class WriteBack:
         for entry in filedata.blocks:
             if entry is not None:
                 self.index.pin(entry)
+
+    def detach(self, filedata):
+        """Unpin what :meth:`attach` pinned, leaving ``filedata`` as it is (its
+        stored blocks must stay alive through their refs)."""
+        for entry in filedata.blocks:
+            if entry is not None:
+                self.index.unpin(entry)

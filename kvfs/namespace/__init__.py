@@ -7,6 +7,7 @@ It talks only to the block cache below it. Its parts:
 ``view``        the read-only ``/.kvfs/by-hash`` view
 ``durability``  sealing files, commits and checkpoints, background upkeep
 ``truncation``  an O_TRUNC open under readers
+``idle``        idle files keep no live content object
 this module     the operations the FUSE layer calls
 """
 import dataclasses
@@ -23,6 +24,7 @@ from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADi
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
 from .eviction import Admin, Evictor
+from .idle import IdleFiles
 from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO,
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
@@ -63,7 +65,7 @@ class NamespaceStatistics:
     checkpoint_rows_saved_on_loop: int   # inode rows saved on the loop because a change came first
 
 
-class Namespace(Durability, KernelPages, TruncationWindow):
+class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
     def __init__(self, cache, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
                  low_watermark=0.8):
         self.cache = cache
@@ -339,7 +341,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             if not inode.is_file:
                 raise IsADirectory() if inode.is_dir else InvalidArgument()
             self._old_content_done(inode)
-            await self._with_space(lambda: self.cache.truncate(inode.data, size))
+            await self._with_space(lambda: self.cache.truncate(self.live_data(inode), size))
             self._content_changed(inode, now)
             if not inode.writers:
                 self._schedule_seal(inode)
@@ -367,6 +369,8 @@ class Namespace(Durability, KernelPages, TruncationWindow):
         view = bool(ino & VIEW_BIT)
         if view and (writable or flags & os.O_TRUNC):
             raise ReadOnly("/.kvfs/by-hash is read-only")
+        if not view:
+            self.live_data(inode)
         fh = self._next_fh
         self._next_fh += 1
         if view:
@@ -459,6 +463,7 @@ class Namespace(Durability, KernelPages, TruncationWindow):
             if inode.writers == 0:
                 self._schedule_seal(inode)
         self.tree.maybe_destroy(inode)
+        self.shed_if_idle(inode)
 
     async def fsync(self, fh):
         h = self.handle(fh)

@@ -90,7 +90,7 @@ class TreeCut:
                                       provisional=provisional, pinned=self.pinned)
 
     def _entries_at_cut(self, directory):
-        entries = {name: ino for name, (ino, _) in directory.entries.by_name.copy().items()}
+        entries = dict(directory.entries.items())
         changed = self._names.get(directory.ino)
         if changed:
             for name, ino in changed.copy().items():

@@ -152,6 +152,7 @@ class Durability:
             log.error("inode %d: writing back its content failed: %s", inode.ino, exc)
         finally:
             inode.sealing = False
+        self.shed_if_idle(inode)
 
     async def seal(self, inode, force=False):
         """Flush a file's blocks and record its content (once no writer has it open).
@@ -177,7 +178,7 @@ class Durability:
             keys.pop()                     # trailing holes are implied by the size
         inode.content_dirty = False
         self._unsealed.pop(inode.ino, None)
-        if filedata.size == inode.size_committed and keys == inode.committed and not inode.provisional:
+        if filedata.size == inode.size_committed and tuple(keys) == inode.committed and not inode.provisional:
             # Rewritten with identical bytes (LMCache after a restart): nothing
             # changed on the device, so nothing is written, not even a record.
             return
@@ -196,6 +197,7 @@ class Durability:
                 await self.seal(inode, force=True)
             except KvfsError as exc:
                 log.error("inode %d: flush failed: %s", inode.ino, exc)
+            self.shed_if_idle(inode)
         await self.commit()
 
     async def run(self, commit_interval, *, task_status=trio.TASK_STATUS_IGNORED):

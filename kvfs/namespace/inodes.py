@@ -1,9 +1,9 @@
 """Inodes and directory entries: the namespace's data types and reserved numbers."""
+import array
 import bisect
 import dataclasses
 import stat
 
-from ..blockcache import FileData
 
 ROOT_INO = 1
 META_DIR_INO = 2          # /.kvfs
@@ -26,6 +26,10 @@ FILE_KEY_COST = 18
 INDEX_BLOCK_COST = 57
 CHECKPOINT_MARGIN = 1 / 16       # headroom for the estimate and for writers racing each other
 TYPICAL_NAME = 40                # for statfs's inode count: a LMCache chunk name is ~60 bytes
+# DirEntries packs an entry's inode number and cookie into one int. Inode
+# numbers stay below 2**62 (VIEW_BIT marks views, which are never entries).
+_INO_BITS = 64
+_INO_MASK = (1 << _INO_BITS) - 1
 # FIFOs, sockets and device nodes are metadata-only inodes, as on any Linux filesystem.
 SUPPORTED_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
                    stat.S_IFCHR, stat.S_IFBLK)
@@ -34,19 +38,25 @@ SUPPORTED_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.
 class DirEntries:
     """Name -> inode, plus readdir cookies that stay valid while entries come and go.
 
-    Cookies grow monotonically. ``_cookies`` and ``_order`` are parallel
-    lists in cookie order: each cookie and its entry's name, or None once the
-    entry is removed (a tombstone). They are compacted once tombstones
-    outnumber live entries, so a listing resumes by bisection instead of a
-    scan. (A cookie -> name dict did the same for 40 more bytes an entry.)
+    Cookies grow monotonically. ``_cookies`` (an array of 8-byte cookies) and
+    ``_order`` are parallel, in cookie order: each cookie and its entry's
+    name, or None once the entry is removed (a tombstone). They are compacted
+    once tombstones outnumber live entries, so a listing resumes by bisection
+    instead of a scan.
+
+    ``by_name`` maps a name to one int, ``cookie << 64 | ino`` (see _pack):
+    one 48-byte object an entry where an (ino, cookie) tuple and its cookie
+    took 88, and at mount a child's inode number decoded for the entry took
+    32 more. (A cookie -> name dict did the same as the arrays for 40 more
+    bytes an entry.)
     """
 
     __slots__ = ("by_name", "_cookies", "_order", "_next", "_dead")
 
     def __init__(self):
-        self.by_name = {}          # name -> (ino, cookie)
-        self._cookies = []         # sorted cookies, live and tombstoned
-        self._order = []           # the name of each cookie in _cookies; None: removed
+        self.by_name = {}                  # name -> cookie << 64 | ino
+        self._cookies = array.array("Q")   # sorted cookies, live and tombstoned
+        self._order = []                   # the name of each cookie in _cookies; None: removed
         self._next = 1
         self._dead = 0
 
@@ -55,27 +65,42 @@ class DirEntries:
 
     def get(self, name):
         hit = self.by_name.get(name)
-        return None if hit is None else hit[0]
+        return None if hit is None else hit & _INO_MASK
+
+    def cookie_of(self, name):
+        return self.by_name[name] >> _INO_BITS
+
+    def names(self):
+        return self.by_name.keys()
+
+    def inos(self):
+        """The children's inode numbers (a list: safe while entries change)."""
+        return [packed & _INO_MASK for packed in self.by_name.values()]
+
+    def items(self):
+        """[(name, ino)] as they are now; safe to call from a worker thread (one dict copy under the GIL)."""
+        return [(name, packed & _INO_MASK) for name, packed in self.by_name.copy().items()]
 
     def add(self, name, ino):
         self._next += 1
-        self.by_name[name] = (ino, self._next)
+        self.by_name[name] = self._next << _INO_BITS | ino
         self._cookies.append(self._next)
         self._order.append(name)
 
     def remove(self, name):
-        _, cookie = self.by_name.pop(name)
+        cookie = self.by_name.pop(name) >> _INO_BITS
         self._order[bisect.bisect_left(self._cookies, cookie)] = None
         self._dead += 1
         if self._dead > len(self.by_name) + 64:
             live = [i for i, n in enumerate(self._order) if n is not None]
-            self._cookies = [self._cookies[i] for i in live]
+            cookies = self._cookies
+            self._cookies = array.array("Q", [cookies[i] for i in live])
             self._order = [self._order[i] for i in live]
             self._dead = 0
 
     def items_after(self, cookie):
         """Yield (name, ino, cookie) for entries with a cookie greater than ``cookie``."""
-        # The lists as they are now: a compaction while the caller iterates
+        # The arrays as they are now: a compaction while the caller iterates
         # replaces them, and positions in the new ones mean other entries.
         # An entry removed since is skipped (its name is gone or has another
         # cookie); one added after a compaction may be missed, as POSIX allows.
@@ -85,8 +110,8 @@ class DirEntries:
             name = order[i]
             if name is not None:
                 hit = self.by_name.get(name)
-                if hit is not None and hit[1] == cookies[i]:
-                    yield name, hit[0], cookies[i]
+                if hit is not None and hit >> _INO_BITS == cookies[i]:
+                    yield name, hit & _INO_MASK, cookies[i]
             i += 1
 
 
@@ -186,8 +211,8 @@ class Inode:
         self.atime = self.mtime = self.ctime = now
         if stat.S_ISDIR(mode):
             self.entries = DirEntries()
-        self.data = FileData() if stat.S_ISREG(mode) else None
-        self.committed = []                # durable block list: [key | None, ...]
+        self.data = None                   # a file's live content; None: idle (namespace/idle.py)
+        self.committed = ()                # durable block list: (key | None, ...)
         self.size_committed = 0
         self.content_key = None
         self.content_version = 0           # bumped on every content change
@@ -210,6 +235,8 @@ class Inode:
     def size(self):
         if self.data is not None:
             return self.data.size
+        if stat.S_ISREG(self.mode):
+            return self.size_committed
         if self.target is not None:
             return len(self.target)
         return 4096 if self.is_dir else 0

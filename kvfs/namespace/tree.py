@@ -128,7 +128,7 @@ class Tree:
         return skipped
 
     def _finish_load(self):
-        """One pass over the loaded inodes: eviction's names, the running counts, live file data.
+        """One pass over the loaded inodes: eviction's names, the running counts, shared block keys.
 
         One pass, not one per purpose: at a million inodes each pass over them
         costs a remount about a second.
@@ -143,7 +143,7 @@ class Tree:
             if S_ISDIR(mode):
                 dirs += 1
                 ino = inode.ino
-                for name, (child, _) in inode.entries.by_name.items():
+                for name, child in inode.entries.items():
                     node = inodes.get(child)
                     if node is not None and node.names is not None:
                         add_name(node, (ino, name))
@@ -152,15 +152,18 @@ class Tree:
                 committed_bytes += inode.size_committed
                 # The index's key objects, not the copies decoded with this row:
                 # one 16-byte key object per block instead of two.
+                # Its live content stays unbuilt until an open (namespace/idle.py),
+                # but for a file whose blocks are missing: that one fails its reads.
                 committed = inode.committed
-                present = [None if k is None else stored_key(k) for k in committed]
-                missing = present != committed
-                inode.committed = ([p if p is not None else k for p, k in zip(present, committed)] if missing
-                                   else list(present))
+                present = tuple([None if k is None else stored_key(k) for k in committed])
+                if present == committed:
+                    inode.committed = present
+                    inode.data = None       # replay's Make built an empty one
+                    continue
+                inode.committed = tuple([p if p is not None else k for p, k in zip(present, committed)])
+                log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                 inode.data = FileData(inode.size_committed, present, domain_of(inode.uid))
-                if missing:
-                    log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
-                    inode.data.failed = CorruptBlock
+                inode.data.failed = CorruptBlock
                 attach(inode.data)
         self._meta_bytes, self.file_count, self.dir_count, self.committed_bytes = meta, files, dirs, committed_bytes
         self.loading = False
@@ -192,7 +195,7 @@ class Tree:
             # What _set_committed does, less what load does not need: no cut is
             # taken and the content index is not built yet, and _finish_load
             # counts the metadata and the committed bytes afresh.
-            inode.committed = list(row.keys)
+            inode.committed = tuple(row.keys)
             inode.size_committed = share(row.size, row.size)
         elif stat.S_ISLNK(row.mode):
             inode.target = row.payload
@@ -211,7 +214,7 @@ class Tree:
             raise FormatError("the root is not a directory that is its own parent")
         names = collections.Counter()
         for directory in [i for i in self.inodes.values() if i.is_dir]:
-            for name, (child, _) in directory.entries.by_name.items():
+            for name, child in directory.entries.items():
                 node = self.inodes.get(child)
                 if node is None:
                     raise FormatError(f"directory {directory.ino} entry {name!r} names missing inode {child}")
@@ -221,7 +224,7 @@ class Tree:
                 names[child] += 1
         seen, todo = {ROOT_INO}, [root]
         while todo:
-            for child, _ in todo.pop().entries.by_name.values():
+            for child in todo.pop().entries.inos():
                 if child not in seen:
                     seen.add(child)
                     if self.inodes[child].is_dir:
@@ -229,7 +232,7 @@ class Tree:
         for inode in self.inodes.values():
             if inode.ino not in seen:
                 raise FormatError(f"inode {inode.ino} is not reachable from the root")
-            subdirs = sum(1 for c, _ in inode.entries.by_name.values() if self.inodes[c].is_dir) \
+            subdirs = sum(1 for c in inode.entries.inos() if self.inodes[c].is_dir) \
                 if inode.is_dir else 0
             want = 2 + subdirs if inode.is_dir else names[inode.ino]
             if (inode.is_dir and names[inode.ino] > 1) or inode.nlink != want:
@@ -242,7 +245,7 @@ class Tree:
         if not doomed:
             return
         for directory in [i for i in self.inodes.values() if i.is_dir]:
-            for name in [n for n, (child, _) in directory.entries.by_name.items() if child in doomed]:
+            for name in [n for n, child in directory.entries.items() if child in doomed]:
                 directory.entries.remove(name)
         for ino in doomed:
             self.content.forget(self.inodes.pop(ino))
@@ -290,10 +293,9 @@ class Tree:
             self._meta_bytes += INODE_ROW_COST + len(rec.target or b"")
             self.next_ino = max(self.next_ino, rec.ino + 1)
             self._link(directory, rec.name, inode, rec.ns)
-            if inode.data is not None:
-                inode.data.domain = self.blocks.domain_of(inode.uid)
             if inode.is_file:
-                self._set_committed(inode, 0, [])
+                inode.data = FileData(domain=self.blocks.domain_of(inode.uid))
+                self._set_committed(inode, 0, ())
                 inode.provisional = True
         elif isinstance(rec, schema.Link):
             inode = self._known(rec, rec.ino)
@@ -338,7 +340,7 @@ class Tree:
             for key in inode.committed:
                 if key is not None:
                     self.blocks.drop_ref(key)
-            self._set_committed(inode, rec.size, [None if b is None else b.key for b in rec.blocks])
+            self._set_committed(inode, rec.size, tuple(None if b is None else b.key for b in rec.blocks))
             inode.mtime, inode.ctime = rec.mtime, rec.ctime
             inode.provisional = False
         else:
@@ -422,7 +424,7 @@ class Tree:
                 if key is not None:
                     self.blocks.drop_ref(key)
             self.content.forget(inode)
-            inode.committed = []
+            inode.committed = ()
         if inode.lookups or inode.opens:
             self.orphans[inode.ino] = inode
             if inode.evicted and inode.data is not None and not self.loading:
@@ -470,7 +472,7 @@ class Tree:
     def _inode_cost(inode):
         cost = INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
         if inode.is_dir:
-            cost += sum(DIR_ENTRY_COST + len(name) for name in inode.entries.by_name)
+            cost += sum(DIR_ENTRY_COST + len(name) for name in inode.entries.names())
         return cost
 
     def recount_metadata(self):

@@ -150,7 +150,7 @@ class ByHashView:
             if directory.ino in seen or directory.ino not in self.tree.inodes:
                 continue
             seen.add(directory.ino)
-            for name, (ino, _) in list(directory.entries.by_name.items()):
+            for name, ino in directory.entries.items():
                 steps += 1
                 if steps % 4096 == 0:
                     await trio.lowlevel.checkpoint()

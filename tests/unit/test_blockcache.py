@@ -496,7 +496,7 @@ async def test_readers_that_waited_for_a_failed_read_each_read_again(tmp_path):
     fs = open_fs(path)
     async with running(fs):
         ino = await write_file(fs.ns, ROOT_INO, b"f", data)
-        key = fs.ns.inode(ino).data.blocks[0]
+        key = fs.ns.inode(ino).committed[0]
         off = fs.index.entries[key].off
     close_and_check(fs)
     fs = open_fs(path, faults=[{"op": "read", "range": [off, off + BS], "effect": "eio", "count": 1}])

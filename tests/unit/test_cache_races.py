@@ -41,7 +41,7 @@ async def test_a_prefetch_keeps_the_blocks_it_reads(tmp_path, monkeypatch):
     async with running(fs):
         ino = await write_file(fs.ns, ROOT_INO, b"a", pattern(1, 4 * BS))
         fs.ns.drop_caches()
-        offsets = [fs.index.entries[key].off for key in fs.ns.inode(ino).data.blocks]
+        offsets = [fs.index.entries[key].off for key in fs.ns.inode(ino).committed]
         set_plan(plan, [{"op": "read", "effect": "delay", "seconds": 0.5}])
         await wait_for_reload()
         fh, _, _ = fs.ns.open(ino, os.O_RDONLY)            # starts the prefetch of all four
@@ -96,6 +96,6 @@ async def test_a_flush_whose_buffer_is_recycled_meanwhile_enters_no_wrong_block(
             await trio.to_thread.run_sync(fs.index.read_verified_sync, key, e.off, e.length, None, e.domain)
         assert await read_all(ns, c) == x
         assert await read_all(ns, b) == y
-        assert ns.inode(a).data.size == 0
+        assert ns.inode(a).size == 0
     fs.close()
     assert_fsck_clean(path)

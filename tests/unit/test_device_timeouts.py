@@ -203,7 +203,7 @@ async def test_a_read_past_io_timeout_is_eio_and_its_late_buffer_is_never_reused
         fs.cache.drop_clean()                          # ... whose buffers now wait for reuse
         pool = pooled_buffers(fs.cache)
         assert pool
-        vext = sorted(extents_of(fs, fs.ns.inode(vino).data.blocks))
+        vext = sorted(extents_of(fs, fs.ns.inode(vino).committed))
         await set_plan(plan_file, [{"op": "read", "range": [vext[0][0], vext[-1][0] + vext[-1][1]],
                                     "effect": "stall", "seconds": STALL}])
         t0 = time.monotonic()
@@ -263,7 +263,7 @@ async def test_a_data_write_past_io_timeout_fails_the_flush_and_keeps_its_extent
         assert [n for _, n in stalled] == [BS], stalled
         # Meanwhile other files are written, and a checkpoint is taken.
         fresh = await write_file(fs.ns, ROOT_INO, b"later", later)
-        assert not extents_of(fs, fs.ns.inode(fresh).data.blocks) & set(stalled)
+        assert not extents_of(fs, fs.ns.inode(fresh).committed) & set(stalled)
         await fs.ns.checkpoint()
         assert unowned_extents(fs) == stalled
         with pytest.raises(KvfsError) as info:          # the lost file says so, to readers and fsync

@@ -31,7 +31,7 @@ def reopen_store(path):
 
 
 def names(fs):
-    return sorted(fs.ns.tree.inodes[ROOT_INO].entries.by_name)
+    return sorted(fs.ns.tree.inodes[ROOT_INO].entries.names())
 
 
 async def test_commit_then_reopen_replays_exactly_the_committed_records(tmp_path):
@@ -331,7 +331,7 @@ async def test_uncommitted_file_content_is_not_visible_after_a_crash(tmp_path):
     fs = open_fs(path)
     assert fs.ns.tree.inodes[ino].size == 3 * BS
     assert lookup_path(fs.ns, "volatile") is None
-    assert b"volatile" not in fs.ns.tree.inodes[ROOT_INO].entries.by_name
+    assert fs.ns.tree.inodes[ROOT_INO].entries.get(b"volatile") is None
     # The orphaned blocks of "volatile" were never referenced: fsck sees free space.
     close_and_check(fs)
 

@@ -36,7 +36,7 @@ def check_tree(ns):
     links, subdirs, seen, todo = {}, {}, {ROOT_INO}, [ROOT_INO]
     while todo:
         d = ns.tree.inodes[todo.pop()]
-        for name, (child, _) in d.entries.by_name.items():
+        for name, child in d.entries.items():
             assert child in ns.tree.inodes, (d.ino, name)
             links[child] = links.get(child, 0) + 1
             node = ns.tree.inodes[child]
@@ -142,7 +142,7 @@ async def test_name_length_limit(path):
         with pytest.raises(FsError) as e:
             await ns.rename(ROOT_INO, ok, ROOT_INO, long)
         assert err(e) == errno.ENAMETOOLONG
-        assert list(ns.tree.inodes[ROOT_INO].entries.by_name) == [ok]
+        assert list(ns.tree.inodes[ROOT_INO].entries.names()) == [ok]
         await ns.rename(ROOT_INO, ok, ROOT_INO, b"short")
         assert ns.lookup(ROOT_INO, b"short") == f
     close_and_check(fs)
@@ -290,7 +290,7 @@ def test_readdir_cookies_survive_removals_and_additions():
     # A name removed and re-added gets a new, larger cookie.
     d.remove(b"e101")
     d.add(b"e101", 7)
-    assert list(d.items_after(0))[-1] == (b"e101", 7, d.by_name[b"e101"][1])
+    assert list(d.items_after(0))[-1] == (b"e101", 7, d.cookie_of(b"e101"))
 
 
 def test_a_listing_in_progress_survives_a_compaction_under_it():
@@ -311,7 +311,7 @@ def test_a_listing_in_progress_survives_a_compaction_under_it():
     assert len(names) == len(set(names))
     assert all(d.get(n) == ino for n, ino, _ in rest)
     assert [c for _, _, c in rest] == sorted(c for _, _, c in rest)
-    assert {n for n, _, _ in rest} == {n for n in d.by_name if n not in names[:10]}
+    assert {n for n, _, _ in rest} == {n for n in d.names() if n not in names[:10]}
 
 
 async def test_list_dir_resumes_from_cookies(path):

@@ -1,0 +1,59 @@
+"""Idle files keep no live content object: a million chunk files in little RAM.
+
+A regular file's live content is a :class:`~kvfs.blockcache.FileData` (its
+size, its block list with dirty buffers, read-ahead state), and each one pins
+its stored blocks in the index. Most files of a KV tier are idle: written
+once, sealed, and read now and then. For those the live content is exactly
+the durable one (``size_committed`` and ``committed``), so keeping a FileData,
+its list and the pins cost about 170 bytes a file for nothing.
+
+So ``inode.data`` is None for an idle file, and the live content is built from
+the durable record when something needs it (:meth:`IdleFiles.live_data`: an
+open, a truncate). It is dropped again once the file is idle
+(:meth:`IdleFiles.shed_if_idle`: after the last close, after a background
+seal).
+
+Invariant: ``inode.data is None`` on a regular file means its live content
+equals its durable content, and nothing holds a pin for it. Its blocks stay
+alive through their ``refs`` (the durable content record), so a straggler that
+still holds the old FileData (a prefetch) reads the same verified bytes, or
+gets EIO once a later content freed them; never other bytes.
+"""
+from ..blockcache import FileData
+
+
+class IdleFiles:
+    """Mixed into :class:`kvfs.namespace.Namespace`: building and dropping idle files' live content."""
+
+    def live_data(self, inode):
+        """``inode``'s FileData, built from its durable content if it is idle."""
+        data = inode.data
+        if data is None:
+            data = inode.data = FileData(inode.size_committed, inode.committed, self.cache.domain_of(inode.uid))
+            self.cache.attach(data)
+        return data
+
+    def shed_if_idle(self, inode):
+        """Drop ``inode``'s FileData if its live content is its durable content and nothing uses it."""
+        data = inode.data
+        if (data is None or not inode.is_file or inode.opens or inode.writers or inode.content_dirty
+                or inode.sealing or inode.provisional or inode.page_writers or inode.pre_truncate is not None
+                or inode.ino in self._unsealed or inode.ino not in self.tree.inodes
+                or data.dirty_count or data.failed or data.size != inode.size_committed):
+            return False
+        if not idle_keys_match(data, inode.committed):
+            return False
+        inode.data = None
+        # Unpin only: a prefetch that still holds ``data`` reads its keys, which the
+        # durable record keeps alive. (release() would empty ``data`` under it.)
+        self.cache.detach(data)
+        return True
+
+
+def idle_keys_match(data, committed):
+    """Whether ``data``'s blocks are exactly the stored keys ``committed`` lists (trailing holes aside)."""
+    blocks = data.blocks
+    n = len(committed)
+    if len(blocks) < n or any(b is not None for b in blocks[n:]):
+        return False
+    return all(b is None if k is None else isinstance(b, bytes) and b == k for b, k in zip(blocks, committed))

@@ -1,0 +1,111 @@
+"""Idle files keep no live content object (kvfs/namespace/idle.py).
+
+A million chunk files must fit in little RAM, so a regular file whose live
+content is its durable content has ``inode.data is None`` and pins nothing;
+an open or a truncate builds the live content from the durable record, and
+the last close (or the background seal) drops it again. These tests follow
+one file through each transition and check the bytes, the pins and fsck.
+"""
+import os
+
+import trio
+
+from kvfs.namespace import ROOT_INO
+
+from .helpers import BS, close_and_check, mkfs, open_fs, pattern, read_all, running, write_file
+
+
+def pins(fs, inode):
+    return [fs.index.entries[k].pins for k in inode.committed if k is not None]
+
+
+async def test_a_file_is_idle_after_its_seal_and_live_while_open(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    first, second = pattern(1, 2 * BS + 100), pattern(2, BS + 7)
+    async with running(fs):
+        ns = fs.ns
+        ino = await write_file(ns, ROOT_INO, b"f", first)
+        inode = ns.inode(ino)
+        assert inode.data is None and pins(fs, inode) == [0, 0, 0]
+        assert ns.attr(ino)[0].size == len(first)
+
+        fh, _, _ = ns.open(ino, os.O_RDONLY)
+        assert inode.data is not None and pins(fs, inode) == [1, 1, 1]
+        assert bytes(await ns.read(fh, 0, len(first))) == first
+        await ns.release(fh)
+        assert inode.data is None and pins(fs, inode) == [0, 0, 0]
+
+        # A rewrite: live while written and until its content is recorded, idle after.
+        fh, _, _ = ns.open(ino, os.O_WRONLY | os.O_TRUNC)
+        await ns.write(fh, 0, second)
+        await ns.release(fh)
+        assert inode.data is not None, "dropped before its content was recorded"
+        await ns.flush_all()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inode.data is None and inode.size_committed == len(second)
+        assert await read_all(ns, ino) == second
+
+        # A truncate of an idle file (no open) builds the live content first.
+        await ns.setattr(ino, size=BS // 2)
+        await ns.flush_all()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inode.data is None and inode.size_committed == BS // 2
+        assert await read_all(ns, ino) == second[:BS // 2]
+    close_and_check(fs)
+
+    fs = open_fs(path)
+    async with running(fs):
+        inode = fs.ns.inode(ino)
+        assert inode.data is None and pins(fs, inode) == [0]
+        assert await read_all(fs.ns, ino) == second[:BS // 2]
+        assert inode.data is None
+    close_and_check(fs)
+
+
+async def test_a_file_open_twice_stays_live_until_its_last_close(tmp_path):
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    data = pattern(3, BS)
+    async with running(fs):
+        ns = fs.ns
+        ino = await write_file(ns, ROOT_INO, b"g", data)
+        a, _, _ = ns.open(ino, os.O_RDONLY)
+        b, _, _ = ns.open(ino, os.O_RDONLY)
+        live = ns.inode(ino).data
+        await ns.release(a)
+        assert ns.inode(ino).data is live
+        assert bytes(await ns.read(b, 0, BS)) == data
+        await ns.release(b)
+        assert ns.inode(ino).data is None
+    close_and_check(fs)
+
+
+async def test_an_idle_files_old_live_content_still_reads_right_or_fails(tmp_path):
+    """Something that kept the dropped FileData (a prefetch still running) reads
+    the durable blocks it names: the right bytes while the content stands, an
+    error once a new content freed them, never another file's bytes."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    old, new = pattern(4, BS), pattern(5, BS)
+    async with running(fs):
+        ns = fs.ns
+        ino = await write_file(ns, ROOT_INO, b"h", old)
+        fh, _, _ = ns.open(ino, os.O_RDONLY)
+        kept = ns.inode(ino).data
+        await ns.release(fh)
+        assert ns.inode(ino).data is None
+        assert kept.size == BS and kept.blocks == list(ns.inode(ino).committed), "shedding changed the object"
+        fs.cache.drop_clean()
+        assert bytes(await fs.cache.read(kept, 0, BS)) == old
+        await write_file(ns, ROOT_INO, b"h2", new)
+        await ns.rename(ROOT_INO, b"h2", ROOT_INO, b"h")        # the old content's block is freed
+        await ns.flush_all()
+        assert kept.blocks[0] not in fs.index.entries
+        fs.cache.drop_clean()
+        try:
+            got = bytes(await fs.cache.read(kept, 0, BS))
+        except Exception as exc:                                 # the block is gone: an error is right
+            got = exc
+        assert got != new, "an old FileData served another file's bytes"
+    close_and_check(fs)
