@@ -166,15 +166,11 @@ class Filesystem:
             # collector would walk the growing heap again and again for nothing
             # (a third of a remount's time at 100,000 files). The daemon then
             # freezes what was loaded (kvfs/gcpolicy.py), so no collection walks it.
-            with collections_paused():
-                store = ExtentStore.open(device, mmp=mmp, claim=not readonly)
-                if not readonly:
-                    store.reserve_metadata_space()
+            def build(store):
+                # Runs while the multi-mount claim waits (kvfs/store/opening.py): it only
+                # reads what was loaded. Loaded again, it is built again.
                 index = BlockIndex(store, dedup_groups=getattr(options, "dedup_groups", None),
                                    dedup_verify=getattr(options, "dedup_verify", False))
-                if not store.key_secret and not readonly:
-                    log.warning("format version 1 store: dedup is shared by all users (no key secret); "
-                                "a version 2 store (mkfs.kvfs) keeps each user's blocks apart")
                 cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
                                    read_depth=options.read_depth, flush_workers=options.flush_workers)
                 namespace = Namespace(cache, now=now,
@@ -183,6 +179,16 @@ class Filesystem:
                                       low_watermark=getattr(options, "low_watermark", 0.8))
                 replayed = store.loaded.replay_report
                 _replay(store, index, namespace.load, consume=True)
+                return index, cache, namespace, replayed
+
+            with collections_paused():
+                store, (index, cache, namespace, replayed) = ExtentStore.open_and_build(
+                    device, mmp=mmp, claim=not readonly, then=build)
+            if not readonly:
+                store.reserve_metadata_space()
+                if not store.key_secret:
+                    log.warning("format version 1 store: dedup is shared by all users (no key secret); "
+                                "a version 2 store (mkfs.kvfs) keeps each user's blocks apart")
             return cls(device, store, index, cache, namespace, replayed)
         except BaseException:
             if store is not None:

@@ -108,6 +108,16 @@ class ExtentStore:
         mount.kvfs takes before it starts the daemon). Either raises Busy naming
         a live owner. A format version 1 store has no MMP sector: a warning.
         """
+        return cls.open_and_build(device, salvage=salvage, mmp=mmp, claim=claim)[0]
+
+    @classmethod
+    def open_and_build(cls, device, *, salvage=False, mmp=None, claim=True, then=None):
+        """(store, then(store)): :meth:`open`, and ``then`` (what the caller builds on the
+        loaded store, writing nothing to the device) runs while the claim waits."""
+        def build(loaded):
+            store = cls(device, loaded)
+            return store, (None if then is None else then(store))
+
         guard, note = None, "not used"
         if mmp is not None:
             sb = read_superblock(device)
@@ -119,18 +129,14 @@ class ExtentStore:
                                 device.path, sb.version)
             elif claim:
                 # The load runs while the claim waits (kvfs/store/opening.py).
-                loaded, guard = claim_and_load(device, sb, mmp, salvage=salvage)
+                (store, built), guard = claim_and_load(device, sb, mmp, salvage=salvage, prepare=build)
                 note = "owner"
             else:
                 mmp_protocol.probe(device, sb, mmp)
-        try:
-            store = cls(device, loaded if guard is not None else load(device, salvage=salvage))
-        except BaseException:
-            if guard is not None:
-                _release_quietly(guard)
-            raise
+        if guard is None:
+            store, built = build(load(device, salvage=salvage))
         store.mmp, store.mmp_note = guard, note
-        return store
+        return store, built
 
     # -- multi-mount protection ---------------------------------------------
     @property

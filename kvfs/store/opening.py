@@ -17,6 +17,12 @@ writes its slot's header last), and no valid frame after the journal's end (the
 journal only appends, so a new commit starts exactly there). If anything moved,
 the store is loaded again, now that it is ours.
 
+The caller may hand over ``prepare``: the rest of its start-up that needs only
+what was loaded (the daemon builds its block index and namespace, a million
+inodes being most of a remount's CPU). It runs in the loading thread too, so
+the claim's wait covers it; what it built is thrown away and built again from
+the second load if the metadata moved. It must not write to the device.
+
 A load that fails (a damaged store) fails before the claim has decided, and the
 claim's thread is waited for and its record released, as before: a refused mount
 leaves the MMP sector as the release writes it (clean), never the data.
@@ -56,12 +62,17 @@ def _claim(device, sb, settings):
     return guard
 
 
-def claim_and_load(device, sb, settings, *, salvage=False):
-    """(Loaded, MmpGuard) of a store this host now owns, its guard heartbeating; Busy if another owns it."""
+def _loaded(loaded):
+    return loaded
+
+
+def claim_and_load(device, sb, settings, *, salvage=False, prepare=_loaded):
+    """(prepare(Loaded), MmpGuard) of a store this host now owns, its guard heartbeating;
+    Busy if another owns it. ``prepare`` runs on the loaded store while the claim waits."""
     if settings.force:
         guard = _claim(device, sb, settings)
         try:
-            return load(device, salvage=salvage), guard
+            return prepare(load(device, salvage=salvage)), guard
         except BaseException:
             release_quietly(guard)
             raise
@@ -78,6 +89,7 @@ def claim_and_load(device, sb, settings, *, salvage=False):
     claimer.start()
     try:
         loaded = load(device, salvage=salvage)
+        prepared = prepare(loaded)
     except BaseException:
         claimer.join()
         if "guard" in outcome:
@@ -92,7 +104,8 @@ def claim_and_load(device, sb, settings, *, salvage=False):
             log.warning("%s: the store's metadata changed while it was loaded and claimed; "
                         "loading it again", device.path)
             loaded = load(device, salvage=salvage)
-        return loaded, guard
+            prepared = prepare(loaded)
+        return prepared, guard
     except BaseException:
         release_quietly(guard)
         raise

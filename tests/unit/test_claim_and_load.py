@@ -117,3 +117,40 @@ def test_a_live_owner_refuses_the_claim_after_the_load(store):
         claim_and_load(device, sb, settings(world, "host-b"))
     assert on_disk(device, sb).host_id == "host-a"
     owner.release_sync()
+
+
+def test_what_the_caller_builds_runs_on_the_load_and_again_after_a_reload(store, caplog):
+    """The daemon builds its index and namespace in ``prepare``, while the claim
+    waits; if the metadata moved, what it built from the first load is dropped and
+    built again from the second."""
+    path, device, sb = store
+    world = World()
+    built = []
+
+    def prepare(loaded):
+        built.append(names_in(loaded)[0])
+        return ("built", loaded)
+
+    def during_sleep():
+        if len(world.slept) == 1:
+            another_writer_commits(path, b"late", checkpoint=False)
+    world.during_sleep = during_sleep
+    (tag, loaded), guard = claim_and_load(device, sb, settings(world, "host-a"), prepare=prepare)
+    try:
+        assert tag == "built" and "loading it again" in caplog.text
+        # (Whether the first load saw the new frame depends on which thread got there first.)
+        assert len(built) == 2 and b"late" in built[1]
+        assert b"late" in names_in(loaded)[0]           # the result is the second build's
+    finally:
+        release_quietly(guard)
+
+
+def test_a_build_that_fails_releases_the_claim(store):
+    path, device, sb = store
+    world = World()
+
+    def prepare(loaded):
+        raise FormatError("the namespace is inconsistent")
+    with pytest.raises(FormatError, match="inconsistent"):
+        claim_and_load(device, sb, settings(world, "host-a"), prepare=prepare)
+    assert on_disk(device, sb).state == schema.MMP_CLEAN
