@@ -341,8 +341,9 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             if not inode.is_file:
                 raise IsADirectory() if inode.is_dir else InvalidArgument()
             self._old_content_done(inode)
-            await self._with_space(lambda: self.cache.truncate(self.live_data(inode), size))
-            self._content_changed(inode, now)
+            with self.holding(inode):
+                await self._with_space(lambda: self.cache.truncate(self.live_data(inode), size))
+                self._content_changed(inode, now)
             if not inode.writers:
                 self._schedule_seal(inode)
         changed = any(v is not None for v in (mode, uid, gid, atime, mtime))
@@ -369,8 +370,6 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         view = bool(ino & VIEW_BIT)
         if view and (writable or flags & os.O_TRUNC):
             raise ReadOnly("/.kvfs/by-hash is read-only")
-        if not view:
-            self.live_data(inode)
         fh = self._next_fh
         self._next_fh += 1
         if view:
@@ -380,6 +379,7 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             # The inode number names this one content for the life of the mount,
             # so whatever the kernel has cached for it is always right.
             return fh, False, True
+        self.live_data(inode)
         direct_io, page_writer, keep = self._page_cache_mode(inode, flags, writable)
         self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged,
                                   page_writer=page_writer, o_direct=bool(flags & os.O_DIRECT))
@@ -402,12 +402,6 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             if not self.pages_filled(inode):       # else the kernel holds them all: nothing to fetch
                 self.handles[fh].cold_blocks = self.cache.prefetch_on_open(inode.data)
         return fh, False, keep
-
-    def _truncate_now(self, inode):
-        if inode.data.size or inode.data.blocks:
-            # Truncating to zero needs no old bytes, so this never awaits.
-            self.cache.release(inode.data)
-            self._content_changed(inode, self.now())
 
     def _content_changed(self, inode, now):
         self.tree.preserve(inode)              # a checkpoint being built keeps the old times

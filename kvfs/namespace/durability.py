@@ -152,7 +152,6 @@ class Durability:
             log.error("inode %d: writing back its content failed: %s", inode.ino, exc)
         finally:
             inode.sealing = False
-        self.shed_if_idle(inode)
 
     async def seal(self, inode, force=False):
         """Flush a file's blocks and record its content (once no writer has it open).
@@ -160,16 +159,17 @@ class Durability:
         With ``force`` (fsync, flush) the content is recorded even while writers
         keep the file open.
         """
-        while inode.content_dirty and inode.ino in self.tree.inodes:
-            if inode.writers and not force:
-                return
-            await self.cache.flush_file(inode.data)
-            if inode.writers and not force:
-                # Reopened for writing while we flushed: the content now holds
-                # writes that no close or fsync has finished. Its last close seals it.
-                return
-            if inode.data.dirty_count == 0 and inode.ino in self.tree.inodes and inode.content_dirty:
-                self._record_content(inode)
+        with self.holding(inode):      # a concurrent seal must not drop the live content (idle.py)
+            while inode.content_dirty and inode.ino in self.tree.inodes:
+                if inode.writers and not force:
+                    return
+                await self.cache.flush_file(inode.data)
+                if inode.writers and not force:
+                    # Reopened for writing while we flushed: the content now holds
+                    # writes that no close or fsync has finished. Its last close seals it.
+                    return
+                if inode.data.dirty_count == 0 and inode.ino in self.tree.inodes and inode.content_dirty:
+                    self._record_content(inode)
 
     def _record_content(self, inode):
         filedata = inode.data
@@ -197,7 +197,6 @@ class Durability:
                 await self.seal(inode, force=True)
             except KvfsError as exc:
                 log.error("inode %d: flush failed: %s", inode.ino, exc)
-            self.shed_if_idle(inode)
         await self.commit()
 
     async def run(self, commit_interval, *, task_status=trio.TASK_STATUS_IGNORED):

@@ -10,8 +10,10 @@ its list and the pins cost about 170 bytes a file for nothing.
 So ``inode.data`` is None for an idle file, and the live content is built from
 the durable record when something needs it (:meth:`IdleFiles.live_data`: an
 open, a truncate). It is dropped again once the file is idle
-(:meth:`IdleFiles.shed_if_idle`: after the last close, after a background
-seal).
+(:meth:`IdleFiles.shed_if_idle`: after the last close, and when the last
+:meth:`IdleFiles.holding` ends). Whatever awaits with a file's live content
+and no open handle (a seal, a truncate) holds it: a seal that finished
+meanwhile must not drop it under them.
 
 Invariant: ``inode.data is None`` on a regular file means its live content
 equals its durable content, and nothing holds a pin for it. Its blocks stay
@@ -19,6 +21,8 @@ alive through their ``refs`` (the durable content record), so a straggler that
 still holds the old FileData (a prefetch) reads the same verified bytes, or
 gets EIO once a later content freed them; never other bytes.
 """
+import contextlib
+
 from ..blockcache import FileData
 
 
@@ -33,11 +37,22 @@ class IdleFiles:
             self.cache.attach(data)
         return data
 
+    @contextlib.contextmanager
+    def holding(self, inode):
+        """Keep ``inode``'s live content while the block runs; drop it after, if idle."""
+        inode.data_holds += 1
+        try:
+            yield
+        finally:
+            inode.data_holds -= 1
+            if not inode.data_holds:
+                self.shed_if_idle(inode)
+
     def shed_if_idle(self, inode):
         """Drop ``inode``'s FileData if its live content is its durable content and nothing uses it."""
         data = inode.data
         if (data is None or not inode.is_file or inode.opens or inode.writers or inode.content_dirty
-                or inode.sealing or inode.provisional or inode.page_writers or inode.pre_truncate is not None
+                or inode.data_holds or inode.provisional or inode.page_writers or inode.pre_truncate is not None
                 or inode.ino in self._unsealed or inode.ino not in self.tree.inodes
                 or data.dirty_count or data.failed or data.size != inode.size_committed):
             return False

@@ -200,6 +200,7 @@ class Inode:
     page_writers = _rare("page_writers", 0)        # open writers through the page cache (see namespace/pagecache.py)
     direct_writes_under_page_writers = _rare("direct_writes_under_page_writers", False)
     sealing = _rare("sealing", False)
+    data_holds = _rare("data_holds", 0)            # awaiting with the live content, no handle: namespace/idle.py
     provisional = _rare("provisional", False)      # created, no content record yet (see module doc)
     pre_truncate = _rare("pre_truncate", None)     # (old content, truncating fh): see namespace/truncation.py
     page_reads = _rare("page_reads", None)         # ReadsUnderPageWriters while page_writers: namespace/pagecache.py

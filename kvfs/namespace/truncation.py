@@ -24,7 +24,7 @@ one the kernel could have made before the truncation.
 
 
 class TruncationWindow:
-    """Mixed into :class:`~kvfs.namespace.Namespace` (``cache``, ``handles``, ``handle``)."""
+    """Mixed into :class:`~kvfs.namespace.Namespace` (``cache``, ``handles``, ``handle``, ``now``)."""
 
     def _keep_old_content(self, inode, fh):
         """Called by an O_TRUNC open (``fh``) before it empties ``inode``."""
@@ -32,6 +32,12 @@ class TruncationWindow:
         others = inode.opens > 1                 # this open is already counted
         if others and (inode.data.size or inode.data.blocks):
             inode.pre_truncate = (self.cache.snapshot(inode.data), fh)
+
+    def _truncate_now(self, inode):
+        """Empty an open file (O_TRUNC): truncating to zero needs no old bytes, so this never awaits."""
+        if inode.data.size or inode.data.blocks:
+            self.cache.release(inode.data)
+            self._content_changed(inode, self.now())
 
     def _read_source(self, fh):
         """The FileData a read through ``fh`` is answered from."""

@@ -12,7 +12,7 @@ import trio
 
 from kvfs.namespace import ROOT_INO
 
-from .helpers import BS, close_and_check, mkfs, open_fs, pattern, read_all, running, write_file
+from .helpers import BS, close_and_check, mkfs, open_fs, pattern, read_all, running, slow_writes, write_file
 
 
 def pins(fs, inode):
@@ -108,4 +108,25 @@ async def test_an_idle_files_old_live_content_still_reads_right_or_fails(tmp_pat
         except Exception as exc:                                 # the block is gone: an error is right
             got = exc
         assert got != new, "an old FileData served another file's bytes"
+    close_and_check(fs)
+
+
+async def test_a_seal_in_progress_keeps_the_live_content_another_seal_finished(tmp_path):
+    """A rename seals the closed file first, while the file's background seal
+    waits on the same slow device write. Whichever records the content, the
+    other still holds the live content: the first to finish used to drop it
+    under the second (AttributeError in the rename, EIO for the engine)."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path, faults=slow_writes(0.2))
+    data = pattern(6, 2 * BS)
+    async with running(fs, commit_interval=60):
+        ns = fs.ns
+        await write_file(ns, ROOT_INO, b"final", b"old")
+        ino = await write_file(ns, ROOT_INO, b"tmp.1", data, sync=False)   # its background seal starts
+        assert ns.inode(ino).content_dirty
+        await ns.rename(ROOT_INO, b"tmp.1", ROOT_INO, b"final")
+        await trio.testing.wait_all_tasks_blocked()
+        inode = ns.inode(ino)
+        assert not inode.content_dirty and inode.data is None and not inode.data_holds
+        assert await read_all(ns, ino) == data
     close_and_check(fs)
