@@ -22,7 +22,6 @@ The tree needs from below only a small set of block services (``BlockRefs``):
 the block cache in a mount, the block index itself in fsck, which loads a
 namespace without a cache.
 """
-import collections
 import logging
 import stat
 from typing import Optional, Protocol
@@ -209,35 +208,49 @@ class Tree:
         name and its parent is that name's directory, every inode is reachable from the
         root (so the parents of directories hold no cycle), and link counts match.
         """
-        root = self.inodes[ROOT_INO]
+        S_ISDIR, inodes = stat.S_ISDIR, self.inodes
+        root = inodes[ROOT_INO]
         if not root.is_dir or root.parent != ROOT_INO:
             raise FormatError("the root is not a directory that is its own parent")
-        names = collections.Counter()
-        for directory in [i for i in self.inodes.values() if i.is_dir]:
+        # One pass over the entries counts every inode's names and each directory's
+        # subdirectories; then a walk over the directories alone. (At a million files
+        # every pass over them costs a remount a second, so there are only two.)
+        names, subdirs_of = {}, {}
+        for directory in [i for i in inodes.values() if S_ISDIR(i.mode)]:
+            dino, subdirs = directory.ino, []
             for name, child in directory.entries.items():
-                node = self.inodes.get(child)
+                node = inodes.get(child)
                 if node is None:
-                    raise FormatError(f"directory {directory.ino} entry {name!r} names missing inode {child}")
-                if child == ROOT_INO or (node.is_dir and node.parent != directory.ino):
-                    raise FormatError(f"directory {child} is listed in {directory.ino}, but its parent "
-                                      f"is {node.parent}")
-                names[child] += 1
-        seen, todo = {ROOT_INO}, [root]
+                    raise FormatError(f"directory {dino} entry {name!r} names missing inode {child}")
+                if S_ISDIR(node.mode):
+                    if child == ROOT_INO or node.parent != dino:
+                        raise FormatError(f"directory {child} is listed in {dino}, but its parent "
+                                          f"is {node.parent}")
+                    subdirs.append(node)
+                names[child] = names.get(child, 0) + 1
+            subdirs_of[dino] = subdirs
+        # Every directory but the root is named once, in its parent (checked above):
+        # a directory the walk from the root misses sits on a cycle of parents.
+        # Every entry is in a directory, so once all directories are reachable,
+        # an inode is reachable exactly when it has a name.
+        seen, todo = {ROOT_INO}, [ROOT_INO]
         while todo:
-            for child in todo.pop().entries.inos():
-                if child not in seen:
-                    seen.add(child)
-                    if self.inodes[child].is_dir:
-                        todo.append(self.inodes[child])
-        for inode in self.inodes.values():
-            if inode.ino not in seen:
-                raise FormatError(f"inode {inode.ino} is not reachable from the root")
-            subdirs = sum(1 for c in inode.entries.inos() if self.inodes[c].is_dir) \
-                if inode.is_dir else 0
-            want = 2 + subdirs if inode.is_dir else names[inode.ino]
-            if (inode.is_dir and names[inode.ino] > 1) or inode.nlink != want:
-                raise FormatError(f"inode {inode.ino} has link count {inode.nlink} and "
-                                  f"{names[inode.ino]} name(s)")
+            for node in subdirs_of[todo.pop()]:
+                if node.ino not in seen:
+                    seen.add(node.ino)
+                    todo.append(node.ino)
+        for inode in inodes.values():
+            ino, count = inode.ino, names.get(inode.ino, 0)
+            if S_ISDIR(inode.mode):
+                if ino not in seen:
+                    raise FormatError(f"inode {ino} is not reachable from the root")
+                want = 2 + len(subdirs_of[ino])
+                if count > 1 or inode.nlink != want:
+                    raise FormatError(f"inode {ino} has link count {inode.nlink} and {count} name(s)")
+            elif not count and ino != ROOT_INO:
+                raise FormatError(f"inode {ino} is not reachable from the root")
+            elif inode.nlink != count:
+                raise FormatError(f"inode {ino} has link count {inode.nlink} and {count} name(s)")
 
     def _drop_provisional(self):
         """Remove files whose content was never recorded: they were in flight at a crash."""

@@ -114,9 +114,8 @@ class ExtentStore:
     def open_and_build(cls, device, *, salvage=False, mmp=None, claim=True, then=None):
         """(store, then(store)): :meth:`open`, and ``then`` (what the caller builds on the
         loaded store, writing nothing to the device) runs while the claim waits."""
-        def build(loaded):
-            store = cls(device, loaded)
-            return store, (None if then is None else then(store))
+        def build(loaded, then=then or (lambda store: None)):
+            return (store := cls(device, loaded)), then(store)
 
         guard, note = None, "not used"
         if mmp is not None:
@@ -127,8 +126,7 @@ class ExtentStore:
                     log.warning("%s: multi-mount protection needs a format version 2 store; this one "
                                 "is version %d, mounted without it: never attach it to two hosts at once",
                                 device.path, sb.version)
-            elif claim:
-                # The load runs while the claim waits (kvfs/store/opening.py).
+            elif claim:         # the load runs while the claim waits (kvfs/store/opening.py)
                 (store, built), guard = claim_and_load(device, sb, mmp, salvage=salvage, prepare=build)
                 note = "owner"
             else:
