@@ -183,7 +183,7 @@ class Filesystem:
 
             with collections_paused():
                 store, (index, cache, namespace, replayed) = ExtentStore.open_and_build(
-                    device, mmp=mmp, claim=not readonly, then=build)
+                    device, mmp=mmp, claim=not readonly, then=build, stream_inodes=True)
             if not readonly:
                 store.reserve_metadata_space()
                 if not store.key_secret:

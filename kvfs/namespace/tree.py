@@ -98,11 +98,14 @@ class Tree:
         """
         assert self._cut is None and not self.inodes and not self.content.built, "load builds a new tree"
         self.next_ino = state.next_ino
-        rows = state.inodes
+        rows = state.inodes             # a list, or a stream decoded as it goes (kvfs/schema/stream.py)
         share = {}.setdefault           # see _load_inode
+        drop = consume and isinstance(rows, list)
         for i, row in enumerate(rows):
+            if row.ino in self.inodes:
+                raise FormatError(f"checkpoint holds inode {row.ino} twice")
             self._load_inode(row, share)
-            if consume:
+            if drop:
                 rows[i] = None
         for ino in state.provisional:
             if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional

@@ -106,14 +106,13 @@ class ExtentStore:
         ``mmp`` (MmpSettings): first claim the MMP record (``claim``), or only
         check that no live owner holds it (``claim=False``: a read-only look, as
         mount.kvfs takes before it starts the daemon). Either raises Busy naming
-        a live owner. A format version 1 store has no MMP sector: a warning.
-        """
+        a live owner. A format version 1 store has no MMP sector: a warning."""
         return cls.open_and_build(device, salvage=salvage, mmp=mmp, claim=claim)[0]
 
     @classmethod
-    def open_and_build(cls, device, *, salvage=False, mmp=None, claim=True, then=None):
-        """(store, then(store)): :meth:`open`, and ``then`` (what the caller builds on the
-        loaded store, writing nothing to the device) runs while the claim waits."""
+    def open_and_build(cls, device, *, salvage=False, mmp=None, claim=True, then=None, stream_inodes=False):
+        """(store, then(store)): :meth:`open`, and ``then`` (what the caller builds on the loaded store,
+        writing nothing) runs while the claim waits. ``stream_inodes``: see loader.load."""
         def build(loaded, then=then or (lambda store: None)):
             return (store := cls(device, loaded)), then(store)
 
@@ -127,12 +126,13 @@ class ExtentStore:
                                 "is version %d, mounted without it: never attach it to two hosts at once",
                                 device.path, sb.version)
             elif claim:         # the load runs while the claim waits (kvfs/store/opening.py)
-                (store, built), guard = claim_and_load(device, sb, mmp, salvage=salvage, prepare=build)
+                (store, built), guard = claim_and_load(device, sb, mmp, salvage=salvage, prepare=build,
+                                                       stream_inodes=stream_inodes)
                 note = "owner"
             else:
                 mmp_protocol.probe(device, sb, mmp)
         if guard is None:
-            store, built = build(load(device, salvage=salvage))
+            store, built = build(load(device, salvage=salvage, stream_inodes=stream_inodes))
         store.mmp, store.mmp_note = guard, note
         return store, built
 

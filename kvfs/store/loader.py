@@ -17,6 +17,7 @@ import xxhash
 
 from .. import schema
 from ..errors import FormatError
+from ..schema.stream import decode_streaming
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +25,17 @@ JOURNAL_READ_WINDOW = 4 << 20
 FIRST_INO = 16                  # schema: 0..15 are reserved
 
 
-def load(device, *, salvage=False, decode_checkpoint=True):
+def load(device, *, salvage=False, decode_checkpoint=True, stream_inodes=False):
     """A :class:`Loaded` store; FormatError with the reason if it must not be mounted.
 
     Without ``decode_checkpoint`` (mount.kvfs's check before it forks the daemon)
     the checkpoint slots are read and their checksums verified, but the payload
     is not decoded: ``state`` stays None. Decoding is most of a remount's store
-    load, and the daemon does it once anyway."""
+    load, and the daemon does it once anyway. With ``stream_inodes`` (the
+    daemon) ``state.inodes`` is decoded as it is iterated, once
+    (kvfs/schema/stream.py); its rows are checked then."""
     loaded = Loaded(device, read_superblock(device), salvage)
+    loaded.stream_inodes = stream_inodes and not salvage
     loaded._load_checkpoint(decode=decode_checkpoint)
     loaded._load_journal()
     if salvage:
@@ -58,6 +62,7 @@ class Loaded:
         self.damage = []                 # proofs that loading lost committed changes
         self.highest_generation = 0      # newest generation seen in any slot header or frame
         self.skipped_records = 0         # salvage: records that do not decode
+        self.stream_inodes = False       # state.inodes decoded as it is consumed (load's stream_inodes)
         self._journal_cursor = self._frame_seq = 0
         self._newer_frames_reported = False
 
@@ -135,16 +140,23 @@ class Loaded:
                                 "the next checkpoint overwrites it", "AB"[slot], got[0])
         if not decode:
             return
-        try:
-            wire = msgpack.unpackb(payload, strict_map_key=False)
-        except Exception as exc:
-            raise FormatError(f"checkpoint payload does not decode: {exc}") from None
-        self.state = schema.CheckpointState.from_wire(wire, FIRST_INO)
+        if self.stream_inodes:
+            self.state = decode_streaming(payload, FIRST_INO, self._check_row)
+        if self.state is None:
+            try:
+                wire = msgpack.unpackb(payload, strict_map_key=False)
+            except Exception as exc:
+                raise FormatError(f"checkpoint payload does not decode: {exc}") from None
+            self.state = schema.CheckpointState.from_wire(wire, FIRST_INO)
+            del wire
+            for row in self.state.inodes:
+                self._check_row(row)
         if not self.salvage:                # fsck reports and repairs the space map itself
             check_extents(self.sb, self.state)
-        for row in self.state.inodes:
-            if row.mode & 0o170000 == 0o100000:
-                check_block_count(self.sb, row.size, len(row.keys), f"inode {row.ino}")
+
+    def _check_row(self, row):
+        if row.mode & 0o170000 == 0o100000:
+            check_block_count(self.sb, row.size, len(row.keys), f"inode {row.ino}")
 
     def _journal_reader(self):
         """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""

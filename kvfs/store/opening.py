@@ -34,7 +34,8 @@ from .. import schema
 from ..errors import KvfsError
 from .mmp import claim as claim_record
 from .mmp import probe as probe_record
-from .loader import load, read_superblock
+from .loader import load as load_store
+from .loader import read_superblock
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,13 @@ def _loaded(loaded):
     return loaded
 
 
-def claim_and_load(device, sb, settings, *, salvage=False, prepare=_loaded):
+def claim_and_load(device, sb, settings, *, salvage=False, prepare=_loaded, stream_inodes=False):
     """(prepare(Loaded), MmpGuard) of a store this host now owns, its guard heartbeating;
-    Busy if another owns it. ``prepare`` runs on the loaded store while the claim waits."""
+    Busy if another owns it. ``prepare`` runs on the loaded store while the claim waits.
+    ``stream_inodes``: see :func:`kvfs.store.loader.load`."""
+    def load(device, salvage):
+        return load_store(device, salvage=salvage, stream_inodes=stream_inodes)
+
     if settings.force:
         guard = _claim(device, sb, settings)
         try:
@@ -119,5 +124,5 @@ def probe_mountable(device, mmp):
     sb = read_superblock(device)
     if sb.has_mmp:
         probe_record(device, sb, mmp)
-    load(device, decode_checkpoint=False)
+    load_store(device, decode_checkpoint=False)
 

@@ -1,0 +1,99 @@
+"""A checkpoint payload whose inode rows are decoded one at a time, as mount consumes them.
+
+``msgpack.unpackb`` of a checkpoint makes every row's objects at once: a list
+per row, the payload lists, then an InodeRow per row (about 1 KB a file at
+a million files). Most of it dies once the namespace is built, but it dies
+interleaved with what survives (names, keys, timestamps), so the allocator
+cannot give its pools back: the daemon's memory after a mount was the
+decode's peak, about twice what the loaded namespace holds.
+
+:func:`decode_streaming` decodes everything but the ``inodes`` array as
+before (it skips over that array without making objects), and returns a
+CheckpointState whose ``inodes`` is an :class:`InodeRowStream`: iterated
+once, it decodes, validates and yields one InodeRow at a time, so each row's
+garbage is reused by the next. The payload bytes stay alive until then.
+
+Refused exactly as :meth:`CheckpointState.from_wire` refuses, with FormatError:
+a row that is not a row, a row that fails validation (checked as it is
+reached, so a bad row late in the array fails the mount after earlier rows
+were built; mount then builds nothing). The same inode twice is left to the
+consumer (the namespace checks it as it adds rows). Payloads that are not a
+map of the expected shape go through ``from_wire`` whole, for its messages.
+"""
+import io
+
+import msgpack
+
+from ..errors import FormatError
+from .records import CheckpointState, InodeRow
+from .validate import _inode_row
+
+_ARRAY_TYPES = frozenset(range(0x90, 0xa0)) | {0xdc, 0xdd}      # fixarray, array 16, array 32
+
+
+def _unpacker(payload, start=0):
+    stream = io.BytesIO(payload)            # shares the bytes: no copy
+    stream.seek(start)
+    return msgpack.Unpacker(stream, strict_map_key=False, max_buffer_size=max(len(payload), 1 << 20))
+
+
+def decode_streaming(payload, first_ino, check_row=None):
+    """CheckpointState of ``payload`` with its inode rows left to decode lazily (see module doc).
+
+    ``check_row(row)`` runs on each row as it is yielded (the loader's
+    block-count check). Returns None when the payload is not a plain map: the
+    caller then decodes it whole (``from_wire`` explains what is wrong)."""
+    if not payload or payload[0] not in range(0x80, 0x90) and payload[0] not in (0xde, 0xdf):
+        return None
+    unpacker = _unpacker(payload)
+    wire, rows_at = {}, None
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            at = unpacker.tell()
+            if key == "inodes" and at < len(payload) and payload[at] in _ARRAY_TYPES:
+                rows_at = at
+                unpacker.skip()
+                wire.pop(key, None)
+            else:
+                wire[key] = unpacker.unpack()
+                if key == "inodes":
+                    rows_at = None
+        end = unpacker.tell()
+    except Exception as exc:        # noqa: BLE001 - msgpack raises several kinds for bad bytes
+        raise FormatError(f"checkpoint payload does not decode: {exc}") from None
+    if end != len(payload):
+        raise FormatError("checkpoint payload does not decode: extra data after the map")
+    state = CheckpointState.from_wire(wire, first_ino)
+    if rows_at is not None:
+        state.inodes = InodeRowStream(payload, rows_at, check_row)
+    return state
+
+
+class InodeRowStream:
+    """The checkpoint's inode rows, decoded and validated as they are iterated (once)."""
+
+    def __init__(self, payload, start, check_row=None):
+        self._payload, self._start, self._check_row = payload, start, check_row
+
+    def __iter__(self):
+        payload, self._payload = self._payload, None        # iterated once; the bytes go after
+        if payload is None:
+            raise RuntimeError("a checkpoint's streamed inode rows can be read only once")
+        unpacker = _unpacker(payload, self._start)
+        check_row = self._check_row
+        try:
+            count = unpacker.read_array_header()
+        except Exception as exc:    # noqa: BLE001
+            raise FormatError(f"checkpoint payload does not decode: {exc}") from None
+        for _ in range(count):
+            try:
+                row = InodeRow(*unpacker.unpack())
+            except (TypeError, ValueError) as exc:
+                raise FormatError(f"checkpoint payload is malformed: {exc}") from None
+            except Exception as exc:    # noqa: BLE001
+                raise FormatError(f"checkpoint payload does not decode: {exc}") from None
+            _inode_row(row)
+            if check_row is not None:
+                check_row(row)
+            yield row

@@ -1,0 +1,76 @@
+"""kvfs.schema.stream: a checkpoint whose inode rows decode as mount consumes them.
+
+The streamed state must be the state ``from_wire`` gives for the same payload,
+row for row, and refuse what it refuses; its rows can be read once only.
+"""
+import msgpack
+import pytest
+
+from kvfs import schema
+from kvfs.errors import FormatError
+from kvfs.schema.stream import InodeRowStream, decode_streaming
+
+KEY = bytes(range(16))
+
+
+def wire(rows=3):
+    inodes = [[1, 0o040755, 0, 0, 2, 0, 5, 5, 5, [1, [[b"f%d" % i, 16 + i] for i in range(rows)]]]]
+    inodes += [[16 + i, 0o100644, 1000, 1000, 1, 0, 7, 8, 8, [4096, [KEY]]] for i in range(rows)]
+    return {"next_ino": 16 + rows, "inodes": inodes, "blocks": [[KEY, 1 << 20, 4096, rows]],
+            "free": [[2 << 20, 4096]], "provisional": [], "pinned": [16]}
+
+
+def whole(payload):
+    return schema.CheckpointState.from_wire(msgpack.unpackb(payload, strict_map_key=False), 16)
+
+
+def test_a_streamed_state_is_the_whole_decode_row_for_row():
+    payload = msgpack.packb(wire())
+    checked = []
+    state = decode_streaming(payload, 16, checked.append)
+    assert isinstance(state.inodes, InodeRowStream)
+    expect = whole(payload)
+    rows = list(state.inodes)
+    assert rows == expect.inodes and checked == rows
+    assert (state.next_ino, state.blocks, state.free, state.pinned) == \
+        (expect.next_ino, expect.blocks, expect.free, expect.pinned)
+    with pytest.raises(RuntimeError, match="only once"):
+        list(state.inodes)
+
+
+def test_key_order_does_not_matter():
+    w = wire()
+    reordered = {k: w[k] for k in ("blocks", "pinned", "inodes", "free", "next_ino", "provisional")}
+    assert list(decode_streaming(msgpack.packb(reordered), 16).inodes) == whole(msgpack.packb(w)).inodes
+
+
+@pytest.mark.parametrize("bad_row", [7, [16, 0o100644], [16, 0o100644, 0, 0, 1, 0, 7, 8, 8, [4096, [b"short"]]]],
+                         ids=["not-a-row", "too-short", "bad-key"])
+def test_a_bad_row_late_in_the_array_is_refused_when_reached(bad_row):
+    w = wire(5)
+    w["inodes"].append(bad_row)
+    payload = msgpack.packb(w)
+    with pytest.raises(FormatError):
+        whole(payload)
+    rows = iter(decode_streaming(payload, 16).inodes)
+    for _ in range(6):
+        next(rows)                                  # the good rows come first
+    with pytest.raises(FormatError):
+        next(rows)
+
+
+def test_what_is_not_a_plain_map_is_left_to_the_whole_decode():
+    assert decode_streaming(msgpack.packb([1, 2]), 16) is None
+    assert decode_streaming(b"", 16) is None
+    w = wire()
+    w["inodes"] = 5                                 # not an array: from_wire says what is wrong
+    with pytest.raises(FormatError, match="malformed"):
+        decode_streaming(msgpack.packb(w), 16)
+
+
+def test_trailing_bytes_and_truncation_are_refused():
+    payload = msgpack.packb(wire())
+    with pytest.raises(FormatError, match="extra data"):
+        decode_streaming(payload + b"\xc0", 16)
+    with pytest.raises(FormatError, match="does not decode"):
+        decode_streaming(payload[:-3], 16)
