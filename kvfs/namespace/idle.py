@@ -31,11 +31,7 @@ class IdleFiles:
 
     def live_data(self, inode):
         """``inode``'s FileData, built from its durable content if it is idle."""
-        data = inode.data
-        if data is None:
-            data = inode.data = FileData(inode.size_committed, inode.committed, self.cache.domain_of(inode.uid))
-            self.cache.attach(data)
-        return data
+        return inode.data if inode.data is not None else build_live_data(inode, self.cache)
 
     @contextlib.contextmanager
     def holding(self, inode):
@@ -63,6 +59,22 @@ class IdleFiles:
         # durable record keeps alive. (release() would empty ``data`` under it.)
         self.cache.detach(data)
         return True
+
+
+def build_live_data(inode, blocks):
+    """Make an idle file's live content from its durable record, its blocks pinned
+    (``blocks``: the block cache, or the tree's BlockRefs).
+
+    The tree calls this too when an idle file leaves the namespace while the
+    kernel still knows it (an unlink or a rename over it, with lookups held): the
+    kernel may still open it by inode number, after a lookup that raced the
+    unlink, and its blocks must stay alive for that open once the durable
+    references are gone. Built at the open instead, it would name blocks already
+    freed, with the size of the old content: zeros where the content was
+    (tests/test_stress.py found it)."""
+    data = inode.data = FileData(inode.size_committed, inode.committed, blocks.domain_of(inode.uid))
+    blocks.attach(data)
+    return data
 
 
 def idle_keys_match(data, committed):

@@ -31,6 +31,7 @@ from ..blockcache import FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
 from .contentindex import ContentIndex
 from .cut import TreeCut
+from .idle import build_live_data
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
                      Inode, add_name, drop_name)
 
@@ -435,13 +436,16 @@ class Tree:
         if self.on_drop is not None:
             self.on_drop(inode)
         self._meta_bytes -= INODE_ROW_COST + len(inode.target or b"") + FILE_KEY_COST * len(inode.committed)
+        orphan = inode.lookups or inode.opens
         if inode.is_file:
+            if orphan and inode.data is None and not inode.evicted and not self.loading:
+                build_live_data(inode, self.blocks)    # the kernel may still open it (idle.py)
             for key in inode.committed:
                 if key is not None:
                     self.blocks.drop_ref(key)
             self.content.forget(inode)
             inode.committed = ()
-        if inode.lookups or inode.opens:
+        if orphan:
             self.orphans[inode.ino] = inode
             if inode.evicted and inode.data is not None and not self.loading:
                 # Nobody has it open, and a cached lookup may not reach it any more:
@@ -469,11 +473,6 @@ class Tree:
         inode.committed = keys
         inode.size_committed = size
         self.content.committed(inode)
-
-    @property
-    def by_content(self):
-        """Content key -> inode number(s); complete only once ``content.ready()`` has run."""
-        return self.content.by_content
 
     def content_owners(self, key):
         return self.content.owners(key)

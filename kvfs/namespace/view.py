@@ -63,7 +63,7 @@ class ByHashView:
         await self.tree.content.ready()
         if caller is None:
             sources = {}
-            for n, key in enumerate(list(self.tree.by_content)):
+            for n, key in enumerate(list(self.tree.content.by_content)):
                 if n % 1024 == 1023:
                     await trio.lowlevel.checkpoint()
                 holders = self.tree.content_owners(key)      # now: it may have changed while we yielded
@@ -137,7 +137,7 @@ class ByHashView:
         """
         uid, gid = caller
         wanted = {}
-        for key in (self.tree.by_content if keys is None else keys):
+        for key in (self.tree.content.by_content if keys is None else keys):
             for ino in self.tree.content_owners(key):
                 inode = self.tree.inodes[ino]
                 if inode.uid == uid and inode.mode & 0o400:

@@ -39,8 +39,8 @@ async def test_owners_of_a_content_follow_dedup_copies_and_unlinks(tmp_path):
         ns.unlink(ROOT_INO, b"copy1", directory=False)
         ns.forget(inos[1], 1)
         assert ns.tree.content_owners(key) == (inos[2],)
-        assert ns.tree.by_content[key] == inos[2]  # one owner: a number, not a set
+        assert ns.tree.content.by_content[key] == inos[2]  # one owner: a number, not a set
         ns.unlink(ROOT_INO, b"copy2", directory=False)
         ns.forget(inos[2], 1)
-        assert ns.tree.content_owners(key) == () and key not in ns.tree.by_content
+        assert ns.tree.content_owners(key) == () and key not in ns.tree.content.by_content
     close_and_check(fs)

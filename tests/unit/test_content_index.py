@@ -40,12 +40,12 @@ async def test_built_on_first_use_and_kept_exact_through_changes(tmp_path, monke
     ns = fs.ns
     tree = ns.tree
     async with running(fs):
-        assert not tree.content.built and tree.by_content == {}
+        assert not tree.content.built and tree.content.by_content == {}
         assert all(i.content_key is None for i in tree.inodes.values() if i.is_file)   # none computed at load
         ino = ns.lookup(ROOT_INO, b"f05")
         assert await ns.content_key(ino) == tree.content.key_of(tree.inodes[ino].size_committed,
                                                                 tree.inodes[ino].committed)
-        assert tree.by_content == {}                  # one key on demand: no index
+        assert tree.content.by_content == {}                  # one key on demand: no index
         changed = []
 
         async def change_while_building():
@@ -62,10 +62,10 @@ async def test_built_on_first_use_and_kept_exact_through_changes(tmp_path, monke
             nursery.start_soon(change_while_building)
             nursery.start_soon(tree.content.ready)
         assert changed and tree.content.built
-        assert as_sets(tree.by_content) == recount(tree)
+        assert as_sets(tree.content.by_content) == recount(tree)
         await write_file(ns, ROOT_INO, b"after", pattern(2, 5000))        # built: entered at once
         ns.unlink(ROOT_INO, b"f02", directory=False)
-        assert as_sets(tree.by_content) == recount(tree)
+        assert as_sets(tree.content.by_content) == recount(tree)
     close_and_check(fs)
 
 
@@ -82,7 +82,7 @@ async def test_a_cancelled_build_starts_over(tmp_path, monkeypatch):
     async with running(fs):
         with trio.move_on_after(0) as scope:
             await tree.content.ready()
-        assert scope.cancelled_caught and not tree.content.built and tree.by_content == {}
+        assert scope.cancelled_caught and not tree.content.built and tree.content.by_content == {}
         await tree.content.ready()
-        assert as_sets(tree.by_content) == recount(tree)
+        assert as_sets(tree.content.by_content) == recount(tree)
     close_and_check(fs)

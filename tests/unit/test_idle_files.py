@@ -99,7 +99,8 @@ async def test_an_idle_files_old_live_content_still_reads_right_or_fails(tmp_pat
         fs.cache.drop_clean()
         assert bytes(await fs.cache.read(kept, 0, BS)) == old
         await write_file(ns, ROOT_INO, b"h2", new)
-        await ns.rename(ROOT_INO, b"h2", ROOT_INO, b"h")        # the old content's block is freed
+        await ns.rename(ROOT_INO, b"h2", ROOT_INO, b"h")
+        ns.forget(ino, 1)                                        # the kernel lets go: the old block is freed
         await ns.flush_all()
         assert kept.blocks[0] not in fs.index.entries
         fs.cache.drop_clean()
@@ -129,4 +130,32 @@ async def test_a_seal_in_progress_keeps_the_live_content_another_seal_finished(t
         inode = ns.inode(ino)
         assert not inode.content_dirty and inode.data is None and not inode.data_holds
         assert await read_all(ns, ino) == data
+    close_and_check(fs)
+
+
+async def test_an_idle_file_unlinked_or_replaced_under_a_lookup_still_opens_with_its_bytes(tmp_path):
+    """The kernel may open an inode after its name went (its lookup raced the
+    unlink or the rename over it). An idle file then has to keep its content:
+    built at that open from the durable record, whose references are gone, it
+    read as zeros of the old size (tests/test_stress.py caught that)."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    old, new = pattern(7, BS + 5), pattern(8, 3 * BS)
+    async with running(fs):
+        ns = fs.ns
+        unlinked = await write_file(ns, ROOT_INO, b"u", old)          # write_file holds one lookup
+        replaced = await write_file(ns, ROOT_INO, b"r", old)
+        await write_file(ns, ROOT_INO, b"r.tmp", new)
+        assert ns.inode(unlinked).data is None and ns.inode(replaced).data is None
+        ns.unlink(ROOT_INO, b"u", directory=False)
+        await ns.rename(ROOT_INO, b"r.tmp", ROOT_INO, b"r")
+        await ns.flush_all()
+        await write_file(ns, ROOT_INO, b"churn", new)                 # new blocks may take freed space
+        await ns.flush_all()
+        for ino in (unlinked, replaced):
+            assert ino in ns.tree.orphans
+            assert await read_all(ns, ino) == old
+        ns.forget(unlinked, 1)
+        ns.forget(replaced, 1)
+        assert unlinked not in ns.tree.orphans and replaced not in ns.tree.orphans
     close_and_check(fs)

@@ -608,7 +608,7 @@ async def test_by_hash_open_pins_its_content_and_gone_content_is_enoent(path):
         await ns.fsync(w)
         await ns.release(w)
         ky = await ns.content_key(ino)
-        assert ky != kx and kx not in ns.tree.by_content
+        assert ky != kx and kx not in ns.tree.content.by_content
         assert await ns.read(fh, 0, len(x)) == x            # the descriptor keeps its content
         vy = ns.lookup(BY_HASH_INO, ky.hex().encode())
         assert vy != vx                                     # another content, another inode
