@@ -90,7 +90,7 @@ class TreeCut:
                                       provisional=provisional, pinned=self.pinned)
 
     def _entries_at_cut(self, directory):
-        entries = dict(directory.entries.items())
+        entries = dict(directory.entries.items_from_thread())
         changed = self._names.get(directory.ino)
         if changed:
             for name, ino in changed.copy().items():

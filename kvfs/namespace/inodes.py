@@ -78,7 +78,12 @@ class DirEntries:
         return [packed & _INO_MASK for packed in self.by_name.values()]
 
     def items(self):
-        """[(name, ino)] as they are now; safe to call from a worker thread (one dict copy under the GIL)."""
+        """[(name, ino)] as they are now (a list: the caller may change entries meanwhile)."""
+        return [(name, packed & _INO_MASK) for name, packed in self.by_name.items()]
+
+    def items_from_thread(self):
+        """:meth:`items` for a worker thread while the loop changes entries: one dict
+        copy first, made under the GIL, so the walk never sees the dict change size."""
         return [(name, packed & _INO_MASK) for name, packed in self.by_name.copy().items()]
 
     def add(self, name, ino):

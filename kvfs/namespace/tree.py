@@ -161,7 +161,6 @@ class Tree:
                 present = tuple([None if k is None else stored_key(k) for k in committed])
                 if present == committed:
                     inode.committed = present
-                    inode.data = None       # replay's Make built an empty one
                     continue
                 inode.committed = tuple([p if p is not None else k for p, k in zip(present, committed)])
                 log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
@@ -311,7 +310,8 @@ class Tree:
             self.next_ino = max(self.next_ino, rec.ino + 1)
             self._link(directory, rec.name, inode, rec.ns)
             if inode.is_file:
-                inode.data = FileData(domain=self.blocks.domain_of(inode.uid))
+                if not self.loading:        # replay builds none: load leaves files idle (idle.py)
+                    inode.data = FileData(domain=self.blocks.domain_of(inode.uid))
                 self._set_committed(inode, 0, ())
                 inode.provisional = True
         elif isinstance(rec, schema.Link):
