@@ -120,8 +120,8 @@ class DirEntries:
             i += 1
 
 
-# "One or a set": a file's names (for eviction, which removes them all) and the
-# owners of a content (Tree.content) are almost always a single value, and an
+# "One or a set": the owners of a content (Tree.content) and a file's names
+# (for eviction, which removes them all; see add_name) are almost always a single value, and an
 # empty set is 216 bytes. So such a field holds nothing (() or None), the one
 # value, or a set once there are two or more.
 def with_member(current, item):
@@ -149,17 +149,39 @@ def members(current):
     return (current,) if current else ()
 
 
+# A file's names. One name, the common case, is kept as the name itself (the
+# directory's key object) with its directory's inode number in ``name_dir``
+# (the directory's own int): no tuple, which was 56 bytes a file. Two or more
+# are a set of (directory ino, name). Directories keep None (they have one
+# name, found through ``parent``).
 def add_name(inode, entry):
-    inode.names = with_member(inode.names, entry)
+    current = inode.names
+    if not current:
+        inode.name_dir, inode.names = entry
+    elif type(current) is bytes:
+        if (inode.name_dir, current) != entry:
+            inode.names, inode.name_dir = {(inode.name_dir, current), entry}, None
+    else:
+        current.add(entry)
 
 
 def drop_name(inode, entry):
-    inode.names = without_member(inode.names, entry)
+    current = inode.names
+    if type(current) is bytes:
+        if (inode.name_dir, current) == entry:
+            inode.names, inode.name_dir = (), None
+    elif current:
+        current.discard(entry)
+        if len(current) == 1:
+            inode.name_dir, inode.names = next(iter(current))
 
 
 def names_of(inode):
     """A file's (directory ino, name) entries."""
-    return members(inode.names)
+    current = inode.names
+    if type(current) is bytes:
+        return ((inode.name_dir, current),)
+    return current if current else ()
 
 
 def _rare(name, default):
@@ -190,12 +212,15 @@ def _rare(name, default):
 
 class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "atime", "mtime", "ctime",
-                 "data", "committed", "size_committed", "content_key", "content_version",
-                 "cached_version", "filled_version", "lookups", "names", "kernel_mtime", "rdev", "evicted", "_rare")
+                 "data", "_committed", "size_committed", "content_key", "content_version",
+                 "cached_version", "filled_version", "lookups", "names", "name_dir", "kernel_mtime", "rdev", "evicted",
+                 "_rare")
 
     # rdev and evicted stay slots although they are almost always 0 and False:
     # every attribute reply reads rdev and every request's inode lookup reads
     # evicted, and a property read costs more there than their 16 bytes.
+    # name_dir (see add_name) took no memory: 22 slots are 208 bytes with the
+    # GC header, the same 16-byte allocator class that 21 slots round up to.
     parent = _rare("parent", None)                 # directories only
     entries = _rare("entries", None)               # directories only: DirEntries
     target = _rare("target", None)                 # symlinks only
@@ -227,7 +252,19 @@ class Inode:
         self.lookups = 0
         self.kernel_mtime = None           # the mtime last put in an attribute reply (None: not yet)
         self.names = () if stat.S_ISREG(mode) else None      # files: see add_name, for eviction
+        self.name_dir = None
         self.evicted = False               # removed by eviction: gone, even for the kernel's cached lookups
+
+    # A file's durable block list, (key | None, ...). A one-block file keeps its
+    # key bare: a 1-tuple was 48 bytes a file, and most small files are one block.
+    @property
+    def committed(self):
+        keys = self._committed
+        return keys if type(keys) is tuple else (keys,)
+
+    @committed.setter
+    def committed(self, keys):
+        self._committed = keys[0] if len(keys) == 1 and keys[0] is not None else tuple(keys)
 
     @property
     def is_dir(self):

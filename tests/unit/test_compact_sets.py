@@ -7,21 +7,25 @@ from kvfs.namespace.inodes import Inode, add_name, drop_name, names_of
 from .helpers import close_and_check, mkfs, open_fs, running, write_file
 
 
-def test_a_file_keeps_its_names_as_one_tuple_until_it_has_two():
+def test_a_file_keeps_one_name_without_a_tuple_and_a_set_only_from_two():
     inode = Inode(20, stat.S_IFREG | 0o644, 0, 0, now=0)
     assert names_of(inode) == ()
     add_name(inode, (1, b"a"))
-    assert inode.names == (1, b"a") and list(names_of(inode)) == [(1, b"a")]
+    assert (inode.names, inode.name_dir) == (b"a", 1) and list(names_of(inode)) == [(1, b"a")]
     add_name(inode, (1, b"a"))                     # the same link again: no change
-    assert inode.names == (1, b"a")
-    add_name(inode, (5, b"b"))                     # a hard link
-    assert inode.names == {(1, b"a"), (5, b"b")}
+    assert (inode.names, inode.name_dir) == (b"a", 1)
+    add_name(inode, (5, b"a"))                     # the same name in another directory is another link
+    assert inode.names == {(1, b"a"), (5, b"a")} and inode.name_dir is None
+    add_name(inode, (5, b"b"))
+    assert set(names_of(inode)) == {(1, b"a"), (5, b"a"), (5, b"b")}
     drop_name(inode, (1, b"a"))
-    assert inode.names == (5, b"b")
-    drop_name(inode, (9, b"not-a-name"))
-    assert inode.names == (5, b"b")
+    drop_name(inode, (5, b"a"))
+    assert (inode.names, inode.name_dir) == (b"b", 5) and list(names_of(inode)) == [(5, b"b")]
+    drop_name(inode, (9, b"b"))                    # not one of its names: no change
+    drop_name(inode, (5, b"c"))
+    assert list(names_of(inode)) == [(5, b"b")]
     drop_name(inode, (5, b"b"))
-    assert inode.names == () and names_of(inode) == ()
+    assert inode.names == () and inode.name_dir is None and names_of(inode) == ()
     directory = Inode(21, stat.S_IFDIR | 0o755, 0, 0, now=0)
     assert directory.names is None                 # directories have none to track
 

@@ -45,6 +45,12 @@ def test_a_remounted_file_shares_its_block_keys_with_the_index(tmp_path):
     for inode in files:
         (key,) = inode.committed
         assert key is fs.index.entries[key].key, "the file keeps its own copy of the index's key"
+        assert inode._committed is key, "a one-block file keeps its key in a tuple of its own"
+        # Its one name: the directory entry's own key object and the directory's own
+        # inode number, not a (directory, name) tuple.
+        directory = fs.ns.tree.inodes[inode.name_dir]
+        (name,) = [n for n in directory.entries.names() if n == inode.names]
+        assert name is inode.names and inode.name_dir is directory.ino
         # Idle: no live content object and no pin until something opens it (namespace/idle.py).
         assert inode.data is None and fs.index.entries[key].pins == 0
         # Written after it was made: mtime == ctime, one int object for both.
