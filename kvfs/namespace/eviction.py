@@ -61,8 +61,8 @@ class Evictor:
         # inodes' own ints: a key tuple per file was 64 bytes at mount's peak.
         files.sort(key=lambda i: i.ino)
         files.sort(key=lambda i: i.mtime)
-        for inode in files:
-            self.policy.insert(inode.ino, inode.size_committed)
+        inodes = self.tree.inodes
+        self.policy.load([i.ino for i in files], lambda ino: inodes[ino].size_committed)
 
     def sealed(self, inode):
         self.policy.insert(inode.ino, inode.size_committed)

@@ -1,11 +1,12 @@
 """Eviction policies: order, skipping, scan resistance, and the simulated trace."""
 import importlib.machinery
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
 
-from kvfs.namespace.policy import LRU, POLICIES, S3FIFO
+from kvfs.namespace.policy import LRU, POLICIES, S3FIFO, Backlog
 
 
 def load_sim():
@@ -78,3 +79,70 @@ def test_s3fifo_beats_lru_on_the_simulated_kv_trace():
     events = list(sim.trace(4000, seed=7, scan_every=800, scan_size=600))
     for capacity in (500, 1500):
         assert sim.simulate("s3fifo", capacity, events) > sim.simulate("lru", capacity, events)
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+@pytest.mark.parametrize("seed", range(40))
+def test_files_loaded_at_mount_behave_as_if_inserted_one_by_one(name, seed):
+    """load() keeps a mount's files packed (policy.Backlog); nothing else may differ.
+
+    Two policies see the same random history: one had the files inserted one by
+    one, the other load()ed. Every walk must yield the same files, and
+    membership and sizes must agree throughout (a walk moves files around, the
+    evictor removes some, reinserts and reads come and go)."""
+    rng = random.Random(seed)
+    files = rng.sample(range(16, 5000), rng.choice([1, 5, 60, 1500]))
+    sizes = {ino: rng.choice([4096, 1 << 20, 3 << 20]) for ino in files}
+    inserted, loaded = POLICIES[name](), POLICIES[name]()
+    for ino in files:
+        inserted.insert(ino, sizes[ino])
+    loaded.load(list(files), sizes.__getitem__)
+    universe = files + list(range(6000, 6100))
+    for _ in range(300):
+        op = rng.random()
+        ino = rng.choice(universe)
+        if op < 0.25:
+            for p in (inserted, loaded):
+                p.access(ino)
+        elif op < 0.4:
+            size = rng.choice([4096, 1 << 20])
+            for p in (inserted, loaded):
+                p.insert(ino, size)
+        elif op < 0.6:
+            for p in (inserted, loaded):
+                p.remove(ino)
+        else:
+            # A walk: take some victims, evict (remove) some of them, skip the others.
+            walks = [p.victims() for p in (inserted, loaded)]
+            for _ in range(rng.randrange(1, 40)):
+                got = [next(w, None) for w in walks]
+                assert got[0] == got[1]
+                if got[0] is None:
+                    break
+                if rng.random() < 0.5:
+                    for p in (inserted, loaded):
+                        p.remove(got[0])
+        assert len(inserted) == len(loaded)
+        assert (ino in inserted) == (ino in loaded)
+        if name == "s3fifo":
+            assert (inserted._small_bytes, inserted._main_bytes) == (loaded._small_bytes, loaded._main_bytes)
+    assert list(inserted.victims()) == list(loaded.victims())
+    assert sorted(i for i in universe if i in inserted) == sorted(i for i in universe if i in loaded)
+
+
+def test_a_backlog_compacts_once_most_files_left_and_keeps_the_rest_in_order():
+    files = list(range(100, 5100))
+    backlog = Backlog(files, lambda ino: ino * 2)
+    assert len(backlog) == 5000 and backlog.bytes == sum(2 * i for i in files)
+    for ino in files[::3] + files[1::3]:                 # two thirds leave, out of queue order
+        assert backlog.remove(ino) == ino * 2
+    assert backlog.remove(files[0]) is None              # already gone
+    assert len(backlog._order) < 5000                   # compacted: the departed take no room
+    left = files[2::3]
+    assert len(backlog) == len(left) and backlog.bytes == sum(2 * i for i in left)
+    assert all(i in backlog for i in left) and not any(i in backlog for i in files[::3])
+    seen = []
+    while (head := backlog.head()) is not None:
+        seen.append(head)
+        backlog.remove(head[0])
+    assert seen == [(i, 2 * i) for i in left] and len(backlog) == 0 and backlog.bytes == 0
