@@ -14,129 +14,56 @@ queue without flushing the hot system-prompt chunks out of the main one; files
 the small queue evicted are remembered in a ghost list and go straight to the
 main queue if they come back.
 
-The files a mount finds are many (a million on a large host) and all enter at
-once, oldest modification first; an OrderedDict node and entry for each was
-105 bytes a file. ``load()`` keeps them packed instead (:class:`Backlog`, 24
-bytes a file) at the head of the queue they would have entered, where they
-behave exactly as if inserted one by one (``tests/unit/test_policy.py``
-compares the two on random histories).
+The queues are :class:`~kvfs.namespace.packedqueue.PackedQueue`s (32 bytes a
+file; an OrderedDict was about 100), and a mount's files enter all at once in
+their order through ``load()`` (``tests/unit/test_policy.py`` compares the
+policies with OrderedDict versions of themselves on random histories).
 """
-import array
-import bisect
 import collections
 
+from .packedqueue import PackedQueue
+
 MAX_FREQUENCY = 3
-_GONE = (1 << 64) - 1          # a Backlog size slot: the file has left the backlog
-
-
-class Backlog:
-    """Files in queue order, packed in arrays; files only leave it.
-
-    ``_order`` holds inode numbers in queue order; ``_sorted`` the same numbers
-    ascending, with each one's size in ``_sizes`` (``_GONE`` once it left), so
-    membership and removal are a bisection and no per-file object exists. The
-    arrays are rebuilt without the departed once they are most of them.
-    """
-
-    def __init__(self, order=(), size_of=None):
-        # ``order``: a list of distinct inode numbers in queue order (the caller's
-        # own int objects, so sorting it copies no ints); ``size_of(ino)``: sizes.
-        self._order = array.array("Q", order)
-        self._sorted = array.array("Q", sorted(order))
-        self._sizes = array.array("Q", map(size_of, self._sorted) if order else ())
-        self._head = 0
-        self._live = len(self._order)
-        self.bytes = sum(self._sizes)
-
-    def __len__(self):
-        return self._live
-
-    def _slot(self, ino):
-        i = bisect.bisect_left(self._sorted, ino)
-        if i < len(self._sorted) and self._sorted[i] == ino and self._sizes[i] != _GONE:
-            return i
-        return None
-
-    def __contains__(self, ino):
-        return self._slot(ino) is not None
-
-    def remove(self, ino):
-        """Take ``ino`` out; its size, or None if it is not here."""
-        i = self._slot(ino)
-        if i is None:
-            return None
-        size, self._sizes[i] = self._sizes[i], _GONE
-        self._live -= 1
-        self.bytes -= size
-        if self._live < len(self._order) // 2 and len(self._order) > 1024:
-            self._compact()
-        return size
-
-    def head(self):
-        """(ino, size) of the first file still here (the queue's oldest); None if empty."""
-        order = self._order
-        while self._head < len(order):
-            i = self._slot(order[self._head])
-            if i is not None:
-                return order[self._head], self._sizes[i]
-            self._head += 1
-        return None
-
-    def _compact(self):
-        order = self._order
-        self._order = array.array("Q", [ino for ino in order[self._head:] if ino in self])
-        live = [i for i, size in enumerate(self._sizes) if size != _GONE]
-        self._sorted = array.array("Q", [self._sorted[i] for i in live])
-        self._sizes = array.array("Q", [self._sizes[i] for i in live])
-        self._head = 0
 
 
 class LRU:
     name = "lru"
 
     def __init__(self):
-        self._order = collections.OrderedDict()      # ino -> size, least recently used first
-        self._backlog = Backlog()                    # files found at mount: before all of _order
+        self._order = PackedQueue()          # least recently used first
 
     def load(self, order, size_of):
         """Enter the files ``order`` lists (least recently used first; sizes from
-        ``size_of(ino)``) into an empty policy."""
+        ``size_of(ino)``) into an empty policy, as inserts in that order would."""
         assert not len(self), "load() is for a policy that has seen nothing yet"
-        self._backlog = Backlog(order, size_of)
+        self._order = PackedQueue(order, size_of)
 
     def __contains__(self, ino):
-        return ino in self._order or ino in self._backlog
+        return ino in self._order
 
     def __len__(self):
-        return len(self._order) + len(self._backlog)
+        return len(self._order)
 
     def insert(self, ino, size):
-        self._backlog.remove(ino)
-        self._order[ino] = size
-        self._order.move_to_end(ino)
+        self._order.push(ino, size)
 
     def access(self, ino):
-        if ino in self._order:
-            self._order.move_to_end(ino)
-        else:
-            size = self._backlog.remove(ino)
-            if size is not None:
-                self._order[ino] = size
+        size = self._order.get(ino)
+        if size is not None:
+            self._order.push(ino, size)
 
     def remove(self, ino):
-        self._order.pop(ino, None)
-        self._backlog.remove(ino)
+        self._order.remove(ino)
 
     def victims(self):
         """Least recently used first, one pass; a file the evictor skips (open, dirty,
         pinned) goes to the back, as if just used."""
-        for _ in range(len(self)):
-            if not len(self):
+        for _ in range(len(self._order)):
+            oldest = self._order.first()
+            if oldest is None:
                 return
-            oldest = self._backlog.head()
-            ino = oldest[0] if oldest is not None else next(iter(self._order))
-            yield ino
-            self.access(ino)
+            yield oldest[0]
+            self.access(oldest[0])
 
 
 class S3FIFO:
@@ -144,37 +71,36 @@ class S3FIFO:
     SMALL_SHARE = 0.1          # of the bytes tracked, the small FIFO's target
 
     def __init__(self):
-        self._small = collections.OrderedDict()       # ino -> size, oldest first
-        self._main = collections.OrderedDict()
+        self._small = PackedQueue()                   # oldest first
+        self._main = PackedQueue()
         self._ghost = collections.OrderedDict()       # ino -> None: evicted from small, recently
         # ino -> reads since it entered its queue, only for files read at all:
         # most files are never read again before they go (and none has been
         # after a remount), and an entry for each was 50 bytes a file.
         self._freq = {}
         self._small_bytes = self._main_bytes = 0
-        self._backlog = Backlog()                     # files found at mount: the small queue's head
 
     def load(self, order, size_of):
         """Enter the files ``order`` lists (oldest first; sizes from ``size_of(ino)``)
         into an empty policy, as inserts in that order would."""
         assert not len(self) and not self._ghost, "load() is for a policy that has seen nothing yet"
-        self._backlog = Backlog(order, size_of)
-        self._small_bytes = self._backlog.bytes
+        self._small = PackedQueue(order, size_of)
+        self._small_bytes = self._small.sizes_total()
 
     def __contains__(self, ino):
-        return ino in self._small or ino in self._main or ino in self._backlog
+        return ino in self._small or ino in self._main
 
     def __len__(self):
-        return len(self._small) + len(self._main) + len(self._backlog)
+        return len(self._small) + len(self._main)
 
     def insert(self, ino, size):
         self.remove(ino)
         if ino in self._ghost:                # evicted while new, and back: it is wanted
             del self._ghost[ino]
-            self._main[ino] = size
+            self._main.push(ino, size)
             self._main_bytes += size
         else:
-            self._small[ino] = size
+            self._small.push(ino, size)
             self._small_bytes += size
 
     def access(self, ino):
@@ -182,26 +108,14 @@ class S3FIFO:
             self._freq[ino] = min(self._freq.get(ino, 0) + 1, MAX_FREQUENCY)
 
     def remove(self, ino):
-        if ino in self._small:
-            self._small_bytes -= self._small.pop(ino)
-        elif ino in self._main:
-            self._main_bytes -= self._main.pop(ino)
+        size = self._small.remove(ino)
+        if size is not None:
+            self._small_bytes -= size
         else:
-            size = self._backlog.remove(ino)
+            size = self._main.remove(ino)
             if size is not None:
-                self._small_bytes -= size
+                self._main_bytes -= size
         self._freq.pop(ino, None)
-
-    def _small_head(self):
-        oldest = self._backlog.head()
-        return oldest if oldest is not None else next(iter(self._small.items()))
-
-    def _small_pop(self, ino):
-        """Take the small queue's head ``ino`` out of it; its size (still counted in _small_bytes)."""
-        size = self._backlog.remove(ino)
-        if size is None:
-            size = self._small.pop(ino)
-        return size
 
     def _remember(self, ino):
         self._ghost[ino] = None
@@ -218,31 +132,30 @@ class S3FIFO:
         while budget > 0 and len(self):
             budget -= 1
             total = self._small_bytes + self._main_bytes
-            small = len(self._small) + len(self._backlog)
-            if small and (self._small_bytes > self.SMALL_SHARE * total or not self._main):
-                ino, size = self._small_head()
+            if len(self._small) and (self._small_bytes > self.SMALL_SHARE * total or not len(self._main)):
+                ino, size = self._small.first()
                 if self._freq.get(ino, 0) > 0:
                     # Read again while new: it moves to the main queue.
-                    self._small_pop(ino)
+                    self._small.remove(ino)
                     self._small_bytes -= size
-                    self._main[ino] = size
+                    self._main.push(ino, size)
                     self._main_bytes += size
                     del self._freq[ino]
                     continue
-                self._small[ino] = self._small_pop(ino)   # if the evictor skips it, it waits its turn
+                self._small.push(ino, size)          # if the evictor skips it, it waits its turn
                 self._remember(ino)
                 yield ino
             else:
-                ino, size = next(iter(self._main.items()))
+                ino, size = self._main.first()
                 freq = self._freq.get(ino, 0)
                 if freq > 0:
                     if freq == 1:
                         del self._freq[ino]
                     else:
                         self._freq[ino] = freq - 1
-                    self._main.move_to_end(ino)
+                    self._main.push(ino, size)
                     continue
-                self._main.move_to_end(ino)
+                self._main.push(ino, size)
                 yield ino
 
 

@@ -61,8 +61,8 @@ def test_a_remounted_file_shares_its_block_keys_with_the_index(tmp_path):
     assert files[0].size_committed == 4096
     lengths = {id(e.length) for e in fs.index.entries.values()}
     assert len(fs.index.entries) == FILES and len(lengths) == 1
-    # The eviction policy holds the mount's files packed, oldest first, no entry each.
-    policy = fs.ns.evictor.policy
-    assert len(policy) == len(policy._backlog) == FILES and not policy._small and not policy._main
-    assert policy._backlog.head()[0] == min(files, key=lambda i: (i.mtime, i.ino)).ino
+    # The eviction policy holds the mount's files packed, oldest first: arrays, no object a file.
+    small = fs.ns.evictor.policy._small
+    assert len(small) == len(small._inos) == len(small._log) == FILES and not small._extra
+    assert small.first()[0] == min(files, key=lambda i: (i.mtime, i.ino)).ino
     close_and_check(fs)

@@ -1,4 +1,5 @@
 """Eviction policies: order, skipping, scan resistance, and the simulated trace."""
+import collections
 import importlib.machinery
 import importlib.util
 import random
@@ -6,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.namespace.policy import LRU, POLICIES, S3FIFO, Backlog
+from kvfs.namespace import packedqueue
+from kvfs.namespace.packedqueue import PackedQueue
+from kvfs.namespace.policy import LRU, POLICIES, S3FIFO
+
+from .policy_reference import ReferenceLRU, ReferenceS3FIFO
 
 
 def load_sim():
@@ -83,66 +88,97 @@ def test_s3fifo_beats_lru_on_the_simulated_kv_trace():
 
 @pytest.mark.parametrize("name", ["lru", "s3fifo"])
 @pytest.mark.parametrize("seed", range(40))
-def test_files_loaded_at_mount_behave_as_if_inserted_one_by_one(name, seed):
-    """load() keeps a mount's files packed (policy.Backlog); nothing else may differ.
-
-    Two policies see the same random history: one had the files inserted one by
-    one, the other load()ed. Every walk must yield the same files, and
-    membership and sizes must agree throughout (a walk moves files around, the
-    evictor removes some, reinserts and reads come and go)."""
+def test_packed_policies_decide_as_the_ordereddict_ones_did_loaded_or_inserted(name, seed, monkeypatch):
+    """The policies' queues are PackedQueues, and a mount load()s its files in one go.
+    Neither may change a decision: three policies see the same random history (the
+    OrderedDict reference with the files inserted one by one, the packed policy
+    inserted, the packed policy loaded) and must yield the same victims, with the
+    same membership and byte counts throughout, while walks move files around, the
+    evictor removes some, and reinserts, reads and removals come and go."""
+    if seed % 2:
+        monkeypatch.setattr(packedqueue, "_NEAR_END", 8)     # numbers out of order go to _extra too
     rng = random.Random(seed)
     files = rng.sample(range(16, 5000), rng.choice([1, 5, 60, 1500]))
     sizes = {ino: rng.choice([4096, 1 << 20, 3 << 20]) for ino in files}
+    reference = {"lru": ReferenceLRU, "s3fifo": ReferenceS3FIFO}[name]()
     inserted, loaded = POLICIES[name](), POLICIES[name]()
     for ino in files:
+        reference.insert(ino, sizes[ino])
         inserted.insert(ino, sizes[ino])
     loaded.load(list(files), sizes.__getitem__)
+    policies = (reference, inserted, loaded)
     universe = files + list(range(6000, 6100))
-    for _ in range(300):
+    fresh = iter(range(10_000, 20_000))           # new files: numbers above all others
+    for _ in range(400):
         op = rng.random()
         ino = rng.choice(universe)
-        if op < 0.25:
-            for p in (inserted, loaded):
+        if op < 0.2:
+            for p in policies:
                 p.access(ino)
-        elif op < 0.4:
+        elif op < 0.35:
             size = rng.choice([4096, 1 << 20])
-            for p in (inserted, loaded):
+            ino = next(fresh) if rng.random() < 0.5 else ino
+            for p in policies:
                 p.insert(ino, size)
-        elif op < 0.6:
-            for p in (inserted, loaded):
+        elif op < 0.55:
+            for p in policies:
                 p.remove(ino)
         else:
             # A walk: take some victims, evict (remove) some of them, skip the others.
-            walks = [p.victims() for p in (inserted, loaded)]
-            for _ in range(rng.randrange(1, 40)):
+            walks = [p.victims() for p in policies]
+            for _ in range(rng.randrange(1, 60)):
                 got = [next(w, None) for w in walks]
-                assert got[0] == got[1]
+                assert got[0] == got[1] == got[2]
                 if got[0] is None:
                     break
                 if rng.random() < 0.5:
-                    for p in (inserted, loaded):
+                    for p in policies:
                         p.remove(got[0])
-        assert len(inserted) == len(loaded)
-        assert (ino in inserted) == (ino in loaded)
+        assert len(reference) == len(inserted) == len(loaded)
+        assert (ino in reference) == (ino in inserted) == (ino in loaded)
         if name == "s3fifo":
-            assert (inserted._small_bytes, inserted._main_bytes) == (loaded._small_bytes, loaded._main_bytes)
-    assert list(inserted.victims()) == list(loaded.victims())
-    assert sorted(i for i in universe if i in inserted) == sorted(i for i in universe if i in loaded)
+            bytes_ = {(p._small_bytes, p._main_bytes) for p in policies}
+            assert len(bytes_) == 1
+    walks = [list(p.victims()) for p in policies]
+    assert walks[0] == walks[1] == walks[2]
 
 
-def test_a_backlog_compacts_once_most_files_left_and_keeps_the_rest_in_order():
-    files = list(range(100, 5100))
-    backlog = Backlog(files, lambda ino: ino * 2)
-    assert len(backlog) == 5000 and backlog.bytes == sum(2 * i for i in files)
-    for ino in files[::3] + files[1::3]:                 # two thirds leave, out of queue order
-        assert backlog.remove(ino) == ino * 2
-    assert backlog.remove(files[0]) is None              # already gone
-    assert len(backlog._order) < 5000                   # compacted: the departed take no room
-    left = files[2::3]
-    assert len(backlog) == len(left) and backlog.bytes == sum(2 * i for i in left)
-    assert all(i in backlog for i in left) and not any(i in backlog for i in files[::3])
-    seen = []
-    while (head := backlog.head()) is not None:
-        seen.append(head)
-        backlog.remove(head[0])
-    assert seen == [(i, 2 * i) for i in left] and len(backlog) == 0 and backlog.bytes == 0
+@pytest.mark.parametrize("near_end", [8, packedqueue._NEAR_END])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_packed_queue_keeps_fifo_order_sizes_and_membership_through_compactions(seed, near_end, monkeypatch):
+    """PackedQueue against an OrderedDict, with enough churn for several compactions,
+    numbers inserted in place, and (with a small near_end) numbers kept in _extra."""
+    monkeypatch.setattr(packedqueue, "_NEAR_END", near_end)
+    rng = random.Random(seed)
+    start = rng.sample(range(100, 3000), 1500)
+    queue = PackedQueue(list(start), lambda ino: ino * 3)
+    model = collections.OrderedDict((ino, ino * 3) for ino in start)
+    next_new, used_extra = 3000, False
+    for step in range(6000):
+        op = rng.random()
+        if op < 0.3:                                           # a new file (the largest number yet)
+            next_new += rng.randrange(1, 4)
+            ino, size = next_new, rng.randrange(1, 1 << 20)
+        elif op < 0.55:                                        # any file (re)queued or moved to the back
+            ino, size = rng.randrange(100, next_new + 1), rng.randrange(1, 1 << 20)
+        else:
+            ino = rng.choice(list(model)) if model and rng.random() < 0.8 else rng.randrange(100, next_new + 1)
+            assert queue.remove(ino) == model.pop(ino, None)
+            continue
+        queue.push(ino, size)
+        used_extra = used_extra or bool(queue._extra)
+        model[ino] = size
+        model.move_to_end(ino)
+        if step % 97 == 0:
+            assert list(queue) == list(model.items())
+            assert queue.sizes_total() == sum(model.values())
+        assert len(queue) == len(model)
+        assert queue.first() == next(iter(model.items()), None)
+        probe = rng.randrange(100, next_new + 1)
+        assert queue.get(probe) == model.get(probe) and (probe in queue) == (probe in model)
+    assert used_extra == (near_end == 8), "_extra is for numbers far below the largest only"
+    assert len(queue._log) - queue._head <= 2 * len(model) + 1024     # compactions kept the log bounded
+    while model:                                               # drain from the front
+        assert queue.first() == next(iter(model.items()))
+        assert queue.remove(queue.first()[0]) == model.popitem(last=False)[1]
+    assert queue.first() is None and len(queue) == 0 and list(queue) == []
