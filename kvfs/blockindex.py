@@ -40,6 +40,7 @@ from .crashpoints import crashpoint
 from .dedupdomains import DedupDomains
 from .errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
 from .gcpolicy import release_off_loop
+from .sharedints import shared
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +147,11 @@ class BlockIndex:
     # -- state ------------------------------------------------------------
     def load(self, blocks, *, consume=False):
         """Enter the checkpoint's BlockRows (dropped from ``blocks`` as they go with ``consume``)."""
-        # msgpack decodes every length and domain into an int object of its own
-        # (28-36 bytes; only -5..256 are shared): most blocks have one of a few
-        # lengths and domains, so each entry takes the first equal object seen.
-        share = {}.setdefault
+        # msgpack decodes every length and domain into an int object of its own:
+        # most blocks have one of a few of each (kvfs/sharedints.py).
         for i, row in enumerate(blocks):
-            length = share(row.length, row.length)
-            self.entries[row.key] = BlockEntry(row.off, length, row.refs, domain=share(row.domain, row.domain),
-                                               key=row.key)
+            length = shared(row.length)
+            self.entries[row.key] = BlockEntry(row.off, length, row.refs, domain=shared(row.domain), key=row.key)
             self.used_bytes += align_up(length)
             if consume:
                 blocks[i] = None
@@ -392,7 +390,7 @@ class BlockIndex:
 
     def _enter_written(self, key, off, length, domain):
         crashpoint("block-written")
-        self.entries[key] = BlockEntry(off, length, pins=1, domain=domain, key=key)
+        self.entries[key] = BlockEntry(off, shared(length), pins=1, domain=domain, key=key)
         self.used_bytes += align_up(length)
         self._blocks_written += 1
         self._data_bytes_written += length

@@ -2,7 +2,7 @@
 
     fuseops -> namespace -> blockcache -> blockindex -> store -> device
 
-Ground-floor modules (aligned, crashpoints, devicecalls, errors, schema) serve every layer. The
+Ground-floor modules (aligned, crashpoints, devicecalls, errors, schema, sharedints) serve every layer. The
 assemblers (stack, daemon, fsck, cli, torch) sit outside the stack: they may
 import any layer, and no layer imports them.
 
@@ -31,7 +31,8 @@ from kvfs.store.mkfs import make_filesystem
 
 KVFS = Path(__file__).resolve().parent.parent / "kvfs"
 LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuseops"]   # lowest first
-GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "nested", "schema"}
+GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "nested", "schema",
+          "sharedints"}
 ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
                        "dedupdomains": "blockindex",   # the block index's dedup domains

@@ -4,6 +4,8 @@ import bisect
 import dataclasses
 import stat
 
+from ..sharedints import shared
+
 
 ROOT_INO = 1
 META_DIR_INO = 2          # /.kvfs
@@ -237,7 +239,8 @@ class Inode:
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self._rare = None
-        self.ino, self.mode, self.uid, self.gid, self.rdev = ino, mode, uid, gid, rdev
+        # Modes and owners repeat across files: one int object each (kvfs/sharedints.py).
+        self.ino, self.mode, self.uid, self.gid, self.rdev = ino, shared(mode), shared(uid), shared(gid), rdev
         self.nlink = 2 if stat.S_ISDIR(mode) else 1
         self.atime = self.mtime = self.ctime = now
         if stat.S_ISDIR(mode):

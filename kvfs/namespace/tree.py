@@ -29,6 +29,7 @@ from typing import Optional, Protocol
 from .. import schema
 from ..blockcache import FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
+from ..sharedints import shared
 from .contentindex import ContentIndex
 from .cut import TreeCut
 from .idle import build_live_data
@@ -100,12 +101,11 @@ class Tree:
         assert self._cut is None and not self.inodes and not self.content.built, "load builds a new tree"
         self.next_ino = state.next_ino
         rows = state.inodes             # a list, or a stream decoded as it goes (kvfs/schema/stream.py)
-        share = {}.setdefault           # see _load_inode
         drop = consume and isinstance(rows, list)
         for i, row in enumerate(rows):
             if row.ino in self.inodes:
                 raise FormatError(f"checkpoint holds inode {row.ino} twice")
-            self._load_inode(row, share)
+            self._load_inode(row)
             if drop:
                 rows[i] = None
         for ino in state.provisional:
@@ -176,12 +176,10 @@ class Tree:
         self.file_count, self.committed_bytes = len(files), sum(i.size_committed for i in files)
         self.dir_count = sum(1 for i in self.inodes.values() if i.is_dir)
 
-    def _load_inode(self, row, share):
-        # msgpack decodes every int above 256 into an object of its own (28
-        # bytes): modes, owners and sizes repeat across files, so each inode
-        # takes the first equal object seen (``share`` is a dict's setdefault).
-        inode = Inode(row.ino, share(row.mode, row.mode), share(row.uid, row.uid), share(row.gid, row.gid),
-                      row.rdev)
+    def _load_inode(self, row):
+        # msgpack decodes every int above 256 into an object of its own: modes
+        # and owners (Inode shares them) and sizes repeat (kvfs/sharedints.py).
+        inode = Inode(row.ino, row.mode, row.uid, row.gid, row.rdev)
         # Equal timestamps share one int object (48 bytes each): a file
         # written once has mtime == ctime, and often atime too.
         mtime = row.mtime
@@ -198,7 +196,7 @@ class Tree:
             # taken and the content index is not built yet, and _finish_load
             # counts the metadata and the committed bytes afresh.
             inode.committed = tuple(row.keys)
-            inode.size_committed = share(row.size, row.size)
+            inode.size_committed = shared(row.size)
         elif stat.S_ISLNK(row.mode):
             inode.target = row.payload
         self.inodes[row.ino] = inode
@@ -471,7 +469,7 @@ class Tree:
         if inode.ino in self.inodes:
             self.committed_bytes += size - inode.size_committed
         inode.committed = keys
-        inode.size_committed = size
+        inode.size_committed = shared(size)
         self.content.committed(inode)
 
     def content_owners(self, key):

@@ -19,14 +19,18 @@ FILES = 1500
 
 
 async def _fill(fs, files=FILES):
-    ns = fs.ns
     async with running(fs):
-        dirs = [ns.make(ROOT_INO, b"d%02d" % d, DIR_MODE, 0, 0) for d in range(10)]
-        for i in range(files):
-            ino = ns.make(dirs[i % 10], b"chunk-%06d.pt" % i, FILE_MODE, 0, 0)
-            fh, _, _ = ns.open(ino, os.O_WRONLY)
-            await ns.write(fh, 0, (i + 1).to_bytes(8, "little") * 512)
-            await ns.release(fh)
+        await _fill_files(fs, files)
+
+
+async def _fill_files(fs, files):
+    ns = fs.ns
+    dirs = [ns.make(ROOT_INO, b"d%02d" % d, DIR_MODE, 0, 0) for d in range(10)]
+    for i in range(files):
+        ino = ns.make(dirs[i % 10], b"chunk-%06d.pt" % i, FILE_MODE, 0, 0)
+        fh, _, _ = ns.open(ino, os.O_WRONLY)
+        await ns.write(fh, 0, (i + 1).to_bytes(8, "little") * 512)
+        await ns.release(fh)
 
 
 def _files(fs):
@@ -66,3 +70,34 @@ def test_a_remounted_file_shares_its_block_keys_with_the_index(tmp_path):
     assert len(small) == len(small._inos) == len(small._log) == FILES and not small._extra
     assert small.first()[0] == min(files, key=lambda i: (i.mtime, i.ino)).ino
     close_and_check(fs)
+
+
+def test_sizes_modes_and_block_lengths_written_live_share_one_object(tmp_path):
+    """Files written through the namespace (not loaded) share their repeated ints too."""
+    fs = open_fs(mkfs(tmp_path))
+
+    async def fill_and_seal():
+        async with running(fs, commit_interval=0.05):
+            await _fill_files(fs, 200)
+            await fs.ns.flush_all()
+            files = _files(fs)
+            assert len({id(i.mode) for i in files}) == 1 and len({id(i.size_committed) for i in files}) == 1
+            assert files[0].size_committed == 4096 and files[0].mode > 256
+            assert len({id(e.length) for e in fs.index.entries.values()}) == 1
+
+    trio.run(fill_and_seal)
+    close_and_check(fs)
+
+
+def test_shared_ints_are_bounded_and_only_ints(monkeypatch):
+    from kvfs import sharedints
+    monkeypatch.setattr(sharedints, "_seen", {})          # a table of its own, which it fills
+    assert sharedints.shared(True) is True and sharedints.shared(4096.0) == 4096.0
+    assert type(sharedints.shared(4096.0)) is float
+    big = 10 ** 12 + 7
+    assert sharedints.shared(int(str(big))) is sharedints.shared(int(str(big)))
+    for n in range(sharedints.LIMIT + 10):
+        sharedints.shared(10 ** 13 + n)
+    assert len(sharedints._seen) == sharedints.LIMIT          # full: later values are returned as they are
+    fresh = int(str(10 ** 14))
+    assert sharedints.shared(fresh) is fresh
