@@ -28,10 +28,29 @@ FILE_KEY_COST = 18
 INDEX_BLOCK_COST = 57
 CHECKPOINT_MARGIN = 1 / 16       # headroom for the estimate and for writers racing each other
 TYPICAL_NAME = 40                # for statfs's inode count: a LMCache chunk name is ~60 bytes
-# DirEntries packs an entry's inode number and cookie into one int. Inode
-# numbers stay below 2**62 (VIEW_BIT marks views, which are never entries).
-_INO_BITS = 64
-_INO_MASK = (1 << _INO_BITS) - 1
+# DirEntries packs an entry's inode number and cookie into one int: while the
+# inode number fits 32 bits and the cookie 28, ``cookie << 32 | ino`` (below
+# 2**60, a 32-byte int); past that ``~(cookie << 64 | ino)``, negative, 48
+# bytes. Inode numbers stay below 2**62 (VIEW_BIT marks views, never entries).
+_NARROW_INO_BITS = 32
+_NARROW_INO_MASK = (1 << _NARROW_INO_BITS) - 1
+_NARROW_COOKIE_LIMIT = 1 << 28
+_WIDE_INO_BITS = 64
+_WIDE_INO_MASK = (1 << _WIDE_INO_BITS) - 1
+
+
+def _pack(cookie, ino):
+    if ino <= _NARROW_INO_MASK and cookie < _NARROW_COOKIE_LIMIT:
+        return cookie << _NARROW_INO_BITS | ino
+    return ~(cookie << _WIDE_INO_BITS | ino)
+
+
+def _ino_of(packed):
+    return packed & _NARROW_INO_MASK if packed >= 0 else ~packed & _WIDE_INO_MASK
+
+
+def _cookie_of(packed):
+    return packed >> _NARROW_INO_BITS if packed >= 0 else ~packed >> _WIDE_INO_BITS
 # FIFOs, sockets and device nodes are metadata-only inodes, as on any Linux filesystem.
 SUPPORTED_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
                    stat.S_IFCHR, stat.S_IFBLK)
@@ -46,17 +65,17 @@ class DirEntries:
     once tombstones outnumber live entries, so a listing resumes by bisection
     instead of a scan.
 
-    ``by_name`` maps a name to one int, ``cookie << 64 | ino`` (see _pack):
-    one 48-byte object an entry where an (ino, cookie) tuple and its cookie
-    took 88, and at mount a child's inode number decoded for the entry took
-    32 more. (A cookie -> name dict did the same as the arrays for 40 more
-    bytes an entry.)
+    ``by_name`` maps a name to one int packing the cookie and the inode
+    number (see _pack): one 32-byte object an entry where an (ino, cookie)
+    tuple and its cookie took 88, and at mount a child's inode number decoded
+    for the entry took 32 more. (A cookie -> name dict did the same as the
+    arrays for 40 more bytes an entry.)
     """
 
     __slots__ = ("by_name", "_cookies", "_order", "_next", "_dead")
 
     def __init__(self):
-        self.by_name = {}                  # name -> cookie << 64 | ino
+        self.by_name = {}                  # name -> _pack(cookie, ino)
         self._cookies = array.array("Q")   # sorted cookies, live and tombstoned
         self._order = []                   # the name of each cookie in _cookies; None: removed
         self._next = 1
@@ -67,35 +86,39 @@ class DirEntries:
 
     def get(self, name):
         hit = self.by_name.get(name)
-        return None if hit is None else hit & _INO_MASK
+        return None if hit is None else _ino_of(hit)
 
     def cookie_of(self, name):
-        return self.by_name[name] >> _INO_BITS
+        return _cookie_of(self.by_name[name])
 
     def names(self):
         return self.by_name.keys()
 
+    # inos() and items() unpack inline (see _ino_of): mount walks every entry with them.
     def inos(self):
         """The children's inode numbers (a list: safe while entries change)."""
-        return [packed & _INO_MASK for packed in self.by_name.values()]
+        return [p & _NARROW_INO_MASK if p >= 0 else ~p & _WIDE_INO_MASK for p in self.by_name.values()]
 
     def items(self):
         """[(name, ino)] as they are now (a list: the caller may change entries meanwhile)."""
-        return [(name, packed & _INO_MASK) for name, packed in self.by_name.items()]
+        return [(name, p & _NARROW_INO_MASK if p >= 0 else ~p & _WIDE_INO_MASK) for name, p in self.by_name.items()]
 
     def items_from_thread(self):
         """:meth:`items` for a worker thread while the loop changes entries: one dict
         copy first, made under the GIL, so the walk never sees the dict change size."""
-        return [(name, packed & _INO_MASK) for name, packed in self.by_name.copy().items()]
+        return [(name, _ino_of(packed)) for name, packed in self.by_name.copy().items()]
 
     def add(self, name, ino):
         self._next += 1
-        self.by_name[name] = self._next << _INO_BITS | ino
+        cookie = self._next
+        # _pack, inline: a mount adds every entry of the store through here.
+        self.by_name[name] = (cookie << _NARROW_INO_BITS | ino if ino <= _NARROW_INO_MASK and
+                              cookie < _NARROW_COOKIE_LIMIT else ~(cookie << _WIDE_INO_BITS | ino))
         self._cookies.append(self._next)
         self._order.append(name)
 
     def remove(self, name):
-        cookie = self.by_name.pop(name) >> _INO_BITS
+        cookie = _cookie_of(self.by_name.pop(name))
         self._order[bisect.bisect_left(self._cookies, cookie)] = None
         self._dead += 1
         if self._dead > len(self.by_name) + 64:
@@ -117,8 +140,8 @@ class DirEntries:
             name = order[i]
             if name is not None:
                 hit = self.by_name.get(name)
-                if hit is not None and hit >> _INO_BITS == cookies[i]:
-                    yield name, hit & _INO_MASK, cookies[i]
+                if hit is not None and _cookie_of(hit) == cookies[i]:
+                    yield name, _ino_of(hit), cookies[i]
             i += 1
 
 
@@ -215,14 +238,15 @@ def _rare(name, default):
 class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "nlink", "atime", "mtime", "ctime",
                  "data", "_committed", "size_committed", "content_key", "content_version",
-                 "cached_version", "filled_version", "lookups", "names", "name_dir", "kernel_mtime", "rdev", "evicted",
-                 "_rare")
+                 "cached_version", "filled_version", "lookups", "names", "name_dir", "kernel_mtime", "_rare")
 
-    # rdev and evicted stay slots although they are almost always 0 and False:
-    # every attribute reply reads rdev and every request's inode lookup reads
-    # evicted, and a property read costs more there than their 16 bytes.
-    # name_dir (see add_name) took no memory: 22 slots are 208 bytes with the
-    # GC header, the same 16-byte allocator class that 21 slots round up to.
+    # 20 slots: 192 bytes with the GC header (the allocator's classes are 16
+    # bytes apart). rdev and evicted were slots too, for the attribute reply and
+    # the inode lookup that read them on every request; as _rare properties
+    # they cost those requests ~40 ns (of tens of microseconds), and every
+    # file 16 bytes less.
+    rdev = _rare("rdev", 0)                        # device nodes only
+    evicted = _rare("evicted", False)              # removed by eviction: gone, even for the kernel's cached lookups
     parent = _rare("parent", None)                 # directories only
     entries = _rare("entries", None)               # directories only: DirEntries
     target = _rare("target", None)                 # symlinks only
@@ -240,7 +264,9 @@ class Inode:
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self._rare = None
         # Modes and owners repeat across files: one int object each (kvfs/sharedints.py).
-        self.ino, self.mode, self.uid, self.gid, self.rdev = ino, shared(mode), shared(uid), shared(gid), rdev
+        self.ino, self.mode, self.uid, self.gid = ino, shared(mode), shared(uid), shared(gid)
+        if rdev:
+            self.rdev = rdev
         self.nlink = 2 if stat.S_ISDIR(mode) else 1
         self.atime = self.mtime = self.ctime = now
         if stat.S_ISDIR(mode):
@@ -256,7 +282,6 @@ class Inode:
         self.kernel_mtime = None           # the mtime last put in an attribute reply (None: not yet)
         self.names = () if stat.S_ISREG(mode) else None      # files: see add_name, for eviction
         self.name_dir = None
-        self.evicted = False               # removed by eviction: gone, even for the kernel's cached lookups
 
     # A file's durable block list, (key | None, ...). A one-block file keeps its
     # key bare: a 1-tuple was 48 bytes a file, and most small files are one block.

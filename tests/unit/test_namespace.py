@@ -293,6 +293,28 @@ def test_readdir_cookies_survive_removals_and_additions():
     assert list(d.items_after(0))[-1] == (b"e101", 7, d.cookie_of(b"e101"))
 
 
+def test_entries_pack_narrow_while_they_fit_and_wide_past_it():
+    """An entry is one int: 32 bytes while the inode number fits 32 bits and the
+    cookie 28; past either, the wide form, with the same answers."""
+    import sys
+    from kvfs.namespace import inodes
+    d = DirEntries()
+    big_ino = (1 << 40) + 5
+    d.add(b"small", 1000)
+    d.add(b"big", big_ino)
+    assert sys.getsizeof(d.by_name[b"small"]) == 32 and d.by_name[b"small"] >= 0
+    assert d.by_name[b"big"] < 0
+    d._next = (1 << 28) + 3                        # a directory that handed out 2**28 cookies
+    d.add(b"late", 1001)
+    assert d.by_name[b"late"] < 0 and d.cookie_of(b"late") == (1 << 28) + 4
+    assert (d.get(b"small"), d.get(b"big"), d.get(b"late")) == (1000, big_ino, 1001)
+    assert sorted(d.inos()) == sorted([1000, big_ino, 1001])
+    assert list(d.items_after(0)) == [(b"small", 1000, 2), (b"big", big_ino, 3), (b"late", 1001, (1 << 28) + 4)]
+    d.remove(b"big")
+    assert list(d.items_after(2)) == [(b"late", 1001, (1 << 28) + 4)]
+    assert inodes.VIEW_BIT - 1 == inodes._ino_of(inodes._pack(5, inodes.VIEW_BIT - 1))
+
+
 def test_a_listing_in_progress_survives_a_compaction_under_it():
     # A generator of items_after that is still running when removals compact
     # the cookie lists: it yields only live entries, each once, in cookie order.
