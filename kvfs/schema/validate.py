@@ -161,16 +161,7 @@ def check_state(state):
         if row.ino in seen:
             raise FormatError(f"checkpoint holds inode {row.ino} twice")
         seen.add(row.ino)
-    keys = set()
-    for row in state.blocks:
-        key(row.key, "checkpoint block key")
-        uint(row.off, "checkpoint block offset")
-        extent_length(row.length, "checkpoint block length")
-        uint(row.refs, "checkpoint block refs")
-        uint(row.domain, "checkpoint block domain")
-        if row.key in keys:
-            raise FormatError(f"checkpoint holds block {row.key.hex()} twice")
-        keys.add(row.key)
+    check_block_rows(state.blocks)
     for extent in state.free or ():
         if len(extent) != 2:
             _fail("checkpoint free extent", extent)
@@ -181,6 +172,20 @@ def check_state(state):
     for number in state.pinned:
         uint(number, "checkpoint pinned inode")
     return state
+
+
+def check_block_rows(rows):
+    """Raise FormatError unless every BlockRow has its types and ranges, and no key repeats."""
+    keys = set()
+    for row in rows:
+        key(row.key, "checkpoint block key")
+        uint(row.off, "checkpoint block offset")
+        extent_length(row.length, "checkpoint block length")
+        uint(row.refs, "checkpoint block refs")
+        uint(row.domain, "checkpoint block domain")
+        if row.key in keys:
+            raise FormatError(f"checkpoint holds block {row.key.hex()} twice")
+        keys.add(row.key)
 
 
 def _inode_row(row):

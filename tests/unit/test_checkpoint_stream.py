@@ -74,3 +74,29 @@ def test_trailing_bytes_and_truncation_are_refused():
         decode_streaming(payload + b"\xc0", 16)
     with pytest.raises(FormatError, match="does not decode"):
         decode_streaming(payload[:-3], 16)
+
+
+@pytest.mark.parametrize("bad_block", [7, [KEY, 1 << 20], [b"short", 1 << 20, 4096, 1], [KEY, -1, 4096, 1],
+                                       [bytes(16), 1 << 20, 4096, 1, 0, 9]],
+                         ids=["not-a-row", "too-short", "bad-key", "bad-offset", "too-long"])
+def test_block_rows_decoded_one_by_one_are_refused_as_the_whole_decode_refuses(bad_block):
+    w = wire()
+    w["blocks"].append(bad_block)
+    payload = msgpack.packb(w)
+    with pytest.raises(FormatError) as whole_error:
+        whole(payload)
+    with pytest.raises(FormatError) as streamed_error:
+        decode_streaming(payload, 16)
+    assert type(whole_error.value) is type(streamed_error.value)
+
+
+def test_a_block_key_twice_is_refused_and_good_blocks_are_the_whole_decode():
+    w = wire()
+    w["blocks"].append([bytes(16), 3 << 20, 100, 1, 5])
+    payload = msgpack.packb(w)
+    state = decode_streaming(payload, 16)
+    assert isinstance(state.blocks, list) and state.blocks == whole(payload).blocks
+    assert state.blocks[1] == schema.BlockRow(bytes(16), 3 << 20, 100, 1, 5)
+    w["blocks"].append(list(w["blocks"][0]))
+    with pytest.raises(FormatError, match="twice"):
+        decode_streaming(msgpack.packb(w), 16)
