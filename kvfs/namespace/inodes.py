@@ -110,10 +110,7 @@ class DirEntries:
 
     def add(self, name, ino):
         self._next += 1
-        cookie = self._next
-        # _pack, inline: a mount adds every entry of the store through here.
-        self.by_name[name] = (cookie << _NARROW_INO_BITS | ino if ino <= _NARROW_INO_MASK and
-                              cookie < _NARROW_COOKIE_LIMIT else ~(cookie << _WIDE_INO_BITS | ino))
+        self.by_name[name] = _pack(self._next, ino)
         self._cookies.append(self._next)
         self._order.append(name)
 
