@@ -62,8 +62,8 @@ class IndexCut:
 
     Only ``refs`` of an entry ever changes (its extent and domain are fixed at
     creation), so the index saves an entry's refs before it changes them, and
-    :meth:`build` (a worker thread) reads the live entry, then prefers a saved
-    value. Entries made after the cut are not in it: their extents were free
+    :meth:`write` (a worker thread; :meth:`build` for fsck) reads the live
+    entry, then prefers a saved value. Entries made after the cut are not in it: their extents were free
     at the cut, and the store's copy of the free map says so.
     """
 
@@ -78,17 +78,29 @@ class IndexCut:
 
     def build(self):
         """(BlockRows of the cut, extents only RAM knew about at the cut: free for the checkpoint)."""
-        blocks, transient = [], list(self.writing)
+        transient = list(self.writing)
+        return list(self._rows(transient)), transient
+
+    def write(self, writer):
+        """Write the cut's BlockRows into ``writer`` (a schema.CheckpointWriter) as they are made;
+        returns the extents only RAM knew about at the cut."""
+        transient = list(self.writing)
+        writer.start_rows("blocks")
+        for row in self._rows(transient):
+            writer.add_row(row)
+        return transient
+
+    def _rows(self, transient):
+        """The BlockRows at the cut; extents of blocks nothing named at the cut go to ``transient``."""
         for key, e in self.entries.items():
             refs = self._refs.get(key)
             if refs is None:
                 refs = e.refs
                 refs = self._refs.get(key, refs)
             if refs:
-                blocks.append(schema.BlockRow(key, e.off, e.length, refs, e.domain))
+                yield schema.BlockRow(key, e.off, e.length, refs, e.domain)
             else:
                 transient.append((e.off, e.length))
-        return blocks, transient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +192,18 @@ class BlockIndex:
     def end_cut(self):
         self._cut = None
 
-    async def write_checkpoint(self, cuts, state):
-        """Add the cut's blocks (built in a worker thread) to the namespace's ``state`` and write it."""
+    async def write_checkpoint(self, cuts, writer):
+        """Add the cut's blocks to ``writer`` (in a worker thread), after the namespace's part, and write it."""
         index_cut, store_cut = cuts
-        blocks, transient = await trio.to_thread.run_sync(index_cut.build, limiter=self.hash_limiter)
-        self.end_cut()
         try:
-            await self.store.write_checkpoint(store_cut, dataclasses.replace(state, blocks=blocks), transient)
+            transient = await trio.to_thread.run_sync(index_cut.write, writer, limiter=self.hash_limiter)
         finally:
-            # Freed off the loop, in pieces: freeing them here held the loop (kvfs/gcpolicy.py).
-            await release_off_loop(blocks, index_cut.entries, limiter=self.hash_limiter)
+            self.end_cut()
+        try:
+            await self.store.write_checkpoint(store_cut, writer, transient)
+        finally:
+            # Freed off the loop, in pieces: freeing it here held the loop (kvfs/gcpolicy.py).
+            await release_off_loop(index_cut.entries, limiter=self.hash_limiter)
 
     def checkpoint_capacity(self):
         return self.store.checkpoint_capacity()

@@ -34,11 +34,13 @@ install, on demand (:meth:`~FreezeAfterFullCollections.count_frozen`, the
 ``count-frozen`` control command) and otherwise when a stats request finds it
 older than FROZEN_COUNT_MAX_AGE_S; ``statistics()`` says how old it is.
 
-Checkpoints. A checkpoint builds its rows, new objects by the million at a
-million files, and they stay alive until it is written: a full collection
+Checkpoints. A checkpoint used to build its rows, new objects by the million at
+a million files, and keep them alive until it was written: a full collection
 during that time walked them all (513 ms at a million files, measured by the
-metadata benchmark's probe). So automatic collections are paused while a
-checkpoint runs (:func:`collections_paused`); garbage that only the collector
+metadata benchmark's probe). Rows are now packed one at a time
+(kvfs/schema/writer.py), but the cuts still copy the inode and block tables
+(a tracked dict of a million entries each), so automatic collections are still
+paused while a checkpoint runs (:func:`collections_paused`); garbage that only the collector
 can free waits those seconds, everything else is freed by reference counting as
 always.
 """

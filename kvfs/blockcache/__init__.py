@@ -127,8 +127,8 @@ class BlockCache(ReadSide, WriteBack):
     def end_cut(self):
         self.index.end_cut()
 
-    async def write_checkpoint(self, cuts, state):
-        await self.index.write_checkpoint(cuts, state)
+    async def write_checkpoint(self, cuts, writer):
+        await self.index.write_checkpoint(cuts, writer)
 
     def checkpoint_capacity(self):
         return self.index.checkpoint_capacity()

@@ -11,8 +11,10 @@ that would stall every FUSE request for as long. So the instant is a *cut*:
   :meth:`TreeCut.preserve_name` before it adds or removes a directory entry.
   The first call per inode (per name) saves its value *at the cut*; later ones
   cost a dict lookup;
-* :meth:`TreeCut.build` runs in a worker thread and makes each row from the
-  saved value if there is one, else from the live inode.
+* :meth:`TreeCut.write` runs in a worker thread and makes each row from the
+  saved value if there is one, else from the live inode, and packs it into the
+  checkpoint's writer at once (kvfs/schema/writer.py). :meth:`TreeCut.build`
+  makes the same rows as a whole CheckpointState, for fsck and tests.
 
 Why a live read in the thread is safe: every change saves the old value
 before it touches the inode. The thread reads an inode's fields and *then*
@@ -72,8 +74,25 @@ class TreeCut:
 
     # -- in a worker thread ---------------------------------------------------------
     def build(self):
-        """The namespace's CheckpointState at the cut (blocks and free map are added below)."""
-        rows, provisional = [], []
+        """The namespace's CheckpointState at the cut, whole (fsck; blocks and free map are added below)."""
+        provisional = []
+        rows = list(self._rows(provisional))
+        return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
+                                      provisional=provisional, pinned=self.pinned)
+
+    def write(self, writer):
+        """Write the namespace's part of the checkpoint into ``writer`` (a schema.CheckpointWriter),
+        each row packed as it is made: a million rows never exist at once."""
+        provisional = []
+        writer.put("next_ino", self.next_ino)
+        writer.start_rows("inodes")
+        for row in self._rows(provisional):
+            writer.add_row(row)
+        writer.put("provisional", provisional)
+        writer.put("pinned", self.pinned)
+
+    def _rows(self, provisional):
+        """The InodeRows at the cut; inode numbers of provisional files go to ``provisional``."""
         for ino, inode in self.inodes.items():           # our own copy: nobody changes it
             fields = self._saved.get(ino)
             if fields is None:
@@ -83,11 +102,9 @@ class TreeCut:
             *attrs, payload, is_provisional = fields
             if inode.is_dir:
                 payload = [payload, self._entries_at_cut(inode)]
-            rows.append(schema.InodeRow(ino, *attrs, payload))
             if is_provisional:
                 provisional.append(ino)
-        return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
-                                      provisional=provisional, pinned=self.pinned)
+            yield schema.InodeRow(ino, *attrs, payload)
 
     def _entries_at_cut(self, directory):
         entries = dict(directory.entries.items_from_thread())

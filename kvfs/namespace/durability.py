@@ -80,7 +80,8 @@ class Durability:
         # The cuts of the tree, the block index and the store are taken together,
         # with no await between them: the checkpoint holds exactly the records
         # appended so far. The rows are built from the cuts off the event loop
-        # (kvfs/namespace/cut.py), while operations go on.
+        # (kvfs/namespace/cut.py), while operations go on, and each is packed
+        # into the payload as it is made (kvfs/schema/writer.py).
         started = time.perf_counter()
         tree_cut = self.tree.cut()
         try:
@@ -91,17 +92,16 @@ class Durability:
         self._checkpoint_stats["cut_ms_max"] = max(self._checkpoint_stats["cut_ms_max"],
                                                    (time.perf_counter() - started) * 1000)
         try:
+            writer = schema.CheckpointWriter(self.cache.checkpoint_capacity())
             try:
-                state = await trio.to_thread.run_sync(tree_cut.build, limiter=self._cut_limiter)
+                await trio.to_thread.run_sync(tree_cut.write, writer, limiter=self._cut_limiter)
             finally:
                 self.tree.end_cut()
                 cut_stats = tree_cut.statistics()
                 self._checkpoint_stats["rows_built_off_loop"] += cut_stats.rows_built_off_loop
                 self._checkpoint_stats["rows_saved_on_loop"] += cut_stats.rows_saved_on_loop
-            try:
-                await self.cache.write_checkpoint(cuts, state)
-            finally:
-                await release_off_loop(state.inodes, tree_cut.inodes, limiter=self._cut_limiter)
+                await release_off_loop(tree_cut.inodes, limiter=self._cut_limiter)
+            await self.cache.write_checkpoint(cuts, writer)
         finally:
             self.cache.end_cut()
         self._checkpoint_stats["last_ms"] = (time.perf_counter() - started) * 1000

@@ -4,6 +4,8 @@
             (``struct`` layouts with size asserts and a comment on every field)
 ``records`` the journal records and the checkpoint state as named types, with
             their msgpack encoding; nothing else knows a field's position
+``writer``  a checkpoint payload encoded row by row as each layer makes its rows
+``stream``  a checkpoint payload decoded row by row as mount consumes them
 
 ``FORMAT_VERSION`` is in the superblock; a reader refuses versions it does not
 list in ``READABLE_VERSIONS``, so a
@@ -20,6 +22,7 @@ from .layout import (CHECKPOINT_HEADER, CHECKPOINT_HEADER_FIELDS, JOURNAL_FRAME_
                      MMP_RECORD_FIELDS, MMP_STATES, MmpRecord)
 from .records import (RECORD_TYPES, Attrs, BlockRef, BlockRow, CheckpointState, Content,
                       InodeRow, Link, Make, Move, Remove, decode_record)
+from .writer import CheckpointWriter, write_state
 from ..aligned import SECTOR, align_down, align_up
 
 __all__ = [
@@ -66,6 +69,8 @@ __all__ = [
     "BlockRef",
     "BlockRow",
     "CheckpointState",
+    "CheckpointWriter",
+    "write_state",
     "Content",
     "InodeRow",
     "Link",

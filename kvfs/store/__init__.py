@@ -27,7 +27,6 @@ now could be overwritten by the late one.
 """
 import dataclasses
 import logging
-import mmap
 
 import msgpack
 import trio
@@ -37,7 +36,6 @@ from ..crashpoints import crashpoint, die, reached
 from ..errors import Busy, DeviceFailed, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from . import mmp as mmp_protocol
 from .allocator import Allocator
-from .encoding import packb_in_pieces
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
 from .mmp import MmpSettings
@@ -363,31 +361,36 @@ class ExtentStore:
         await in between. ``transient`` lists extents only RAM knows about
         (pinned or in-flight blocks): free as far as the checkpoint is concerned.
         """
-        await self.write_checkpoint(self.cut(), state, transient)
+        cut = self.cut()
+        writer = schema.CheckpointWriter(self.checkpoint_capacity())
+        await trio.to_thread.run_sync(schema.write_state, writer, state, limiter=self._encode_limiter)
+        await self.write_checkpoint(cut, writer, transient)
 
     def cut(self):
         """What a checkpoint needs of the store at this instant: cheap copies, no await."""
         return StoreCut(self._appended, self.allocator.copy_state(),
                         [(off, n) for _, off, n in self._pending_frees], list(self._releasing))
 
-    async def write_checkpoint(self, cut, state, transient=()):
-        """Write ``state``, the namespace and blocks at ``cut``, with the free map at the cut.
+    async def write_checkpoint(self, cut, writer, transient=()):
+        """Finish ``writer`` (a schema.CheckpointWriter holding the namespace and the blocks
+        at ``cut``) with the free map at the cut, and write it.
 
-        The free map and the msgpack encoding are built in a worker thread:
-        for a large store they take seconds, and the event loop keeps serving.
+        The free map is built and encoded in a worker thread: for a large
+        store it takes a while, and the event loop keeps serving.
         """
         self.check_writable()
         upto = cut.appended
 
-        def encode():
+        def finish():
             free = Allocator(self.sb.data_off, self.sb.data_len, Allocator.extents_of(cut.free_map))
             for off, n in [*transient, *cut.pending_frees, *cut.releasing]:
                 free.free(off, n)
-            return packb_in_pieces(dataclasses.replace(state, free=free.extents()).to_wire())
+            writer.put("free", [list(e) for e in free.extents()])
+            return None if writer.overflowed else writer.finish()
 
-        payload = await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
-        if schema.SECTOR + len(payload) > self.sb.checkpoint_len:
-            raise NoSpace(f"metadata ({len(payload)} bytes) exceeds the checkpoint slot "
+        payload = await trio.to_thread.run_sync(finish, limiter=self._encode_limiter)
+        if payload is None:
+            raise NoSpace(f"metadata ({writer.size} bytes) exceeds the checkpoint slot "
                           f"({self.sb.checkpoint_len} bytes)")
         async with self._commit_lock:
             if self._durable > upto:
@@ -426,8 +429,8 @@ class ExtentStore:
         damage after the fact, which the loader may treat as proof that this
         generation existed.
         """
-        # packb_in_pieces built the payload in a page-aligned buffer: written as is.
-        await self._metadata_io(self.device.pwrite_sync, off + schema.SECTOR, payload, _buffer_of(payload))
+        # The writer built the payload in a page-aligned buffer: written as is.
+        await self._metadata_io(self.device.pwrite_sync, off + schema.SECTOR, payload, payload.obj)
         await self._metadata_io(self.device.sync_sync)
         crashpoint("checkpoint-payload-written")
         # Its digest reads the whole payload: in a worker thread, like the encoding.
@@ -493,8 +496,3 @@ def _coalesce(extents):
             merged.append([off, n])
     return merged
 
-
-def _buffer_of(payload):
-    """The page-aligned buffer a payload view was built in (see encoding.packb_in_pieces), or None."""
-    obj = getattr(payload, "obj", None)
-    return obj if isinstance(obj, mmap.mmap) else None

@@ -160,6 +160,16 @@ async def write_file(ns, parent, name, data, *, mode=FILE_MODE, sync=True):
     return ino
 
 
+async def fill_files(ns, files, dirs=10):
+    """``files`` files of 4 KiB with distinct contents, spread over ``dirs`` new directories."""
+    parents = [ns.make(ROOT_INO, b"d%02d" % d, DIR_MODE, 0, 0) for d in range(dirs)]
+    for i in range(files):
+        ino = ns.make(parents[i % dirs], b"chunk-%06d.pt" % i, FILE_MODE, 0, 0)
+        fh, _, _ = ns.open(ino, os.O_WRONLY)
+        await ns.write(fh, 0, (i + 1).to_bytes(8, "little") * 512)
+        await ns.release(fh)
+
+
 async def read_all(ns, ino, size=None):
     fh, _, _ = ns.open(ino, os.O_RDONLY)
     try:

@@ -7,30 +7,16 @@ while the checkpoint's rows and the tree were both whole in memory, is
 measured by tools/kvfs-bench meta's RSS after remount, not here: at a test's
 scale the journal's read buffer hides it.)
 """
-import os
-
 import trio
 
-from kvfs.namespace import ROOT_INO
-
-from .helpers import DIR_MODE, FILE_MODE, close_and_check, mkfs, open_fs, running
+from .helpers import close_and_check, fill_files, mkfs, open_fs, running
 
 FILES = 1500
 
 
 async def _fill(fs, files=FILES):
     async with running(fs):
-        await _fill_files(fs, files)
-
-
-async def _fill_files(fs, files):
-    ns = fs.ns
-    dirs = [ns.make(ROOT_INO, b"d%02d" % d, DIR_MODE, 0, 0) for d in range(10)]
-    for i in range(files):
-        ino = ns.make(dirs[i % 10], b"chunk-%06d.pt" % i, FILE_MODE, 0, 0)
-        fh, _, _ = ns.open(ino, os.O_WRONLY)
-        await ns.write(fh, 0, (i + 1).to_bytes(8, "little") * 512)
-        await ns.release(fh)
+        await fill_files(fs.ns, files)
 
 
 def _files(fs):
@@ -78,7 +64,7 @@ def test_sizes_modes_and_block_lengths_written_live_share_one_object(tmp_path):
 
     async def fill_and_seal():
         async with running(fs, commit_interval=0.05):
-            await _fill_files(fs, 200)
+            await fill_files(fs.ns, 200)
             await fs.ns.flush_all()
             files = _files(fs)
             assert len({id(i.mode) for i in files}) == 1 and len({id(i.size_committed) for i in files}) == 1
