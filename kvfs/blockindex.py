@@ -63,17 +63,27 @@ class IndexCut:
     Only ``refs`` of an entry ever changes (its extent and domain are fixed at
     creation), so the index saves an entry's refs before it changes them, and
     :meth:`write` (a worker thread; :meth:`build` for fsck) reads the live
-    entry, then prefers a saved value. Entries made after the cut are not in it: their extents were free
-    at the cut, and the store's copy of the free map says so.
+    entry, then prefers a saved value. Entries made after the cut are not in
+    it: their extents were free at the cut, and the store's copy of the free
+    map says so.
+
+    The cut lists the entry objects rather than copying the dict (6 ms at a
+    million blocks instead of 31, on the loop), so it cannot tell whether an
+    entry is one of its own; it need not. Refs saved for a key no entry of the
+    cut has are never read. A key has one entry at a time, and an entry of the
+    cut leaves the index only once it has no refs: either they dropped after
+    the cut (``drop_ref`` saved them first) or it had none at the cut. A later
+    entry under that key saves its refs before its first change, when it has
+    none: 0 either way, the cut's value.
     """
 
     def __init__(self, index):
-        self.entries = dict(index.entries)
+        self.entries = list(index.entries.values())
         self.writing = [(off, n) for _, off, n in index._writing.values()]
         self._refs = {}
 
     def preserve(self, key, entry):
-        if key not in self._refs and self.entries.get(key) is entry:
+        if key not in self._refs:
             self._refs[key] = entry.refs
 
     def build(self):
@@ -92,7 +102,8 @@ class IndexCut:
 
     def _rows(self, transient):
         """The BlockRows at the cut; extents of blocks nothing named at the cut go to ``transient``."""
-        for key, e in self.entries.items():
+        for e in self.entries:
+            key = e.key
             refs = self._refs.get(key)
             if refs is None:
                 refs = e.refs

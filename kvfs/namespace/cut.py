@@ -4,8 +4,9 @@ A checkpoint must hold the state at one instant: exactly the records appended
 before it. Building a million inode rows takes seconds, and on the event loop
 that would stall every FUSE request for as long. So the instant is a *cut*:
 
-* taking it (``Tree.cut``, on the loop) copies only the inode dict (one C-level
-  copy, no Python work per inode) and the small ``pinned`` set;
+* taking it (``Tree.cut``, on the loop) lists the inode objects (one C-level
+  copy, no Python work per inode: 6 ms at a million inodes, where a copy of
+  the dict took 31) and sorts the small ``pinned`` set;
 * from then on, the tree calls :meth:`TreeCut.preserve` before it changes a
   durable field of an inode that existed at the cut, and
   :meth:`TreeCut.preserve_name` before it adds or removes a directory entry.
@@ -54,7 +55,8 @@ def inode_fields(inode):
 
 class TreeCut:
     def __init__(self, tree):
-        self.inodes = dict(tree.inodes)
+        self.inodes = list(tree.inodes.values())
+        self._live = tree.inodes            # read on the loop only, by _in_cut
         self.next_ino = tree.next_ino
         self.pinned = sorted(tree.pinned)
         self._saved = {}          # ino -> inode_fields at the cut
@@ -62,12 +64,19 @@ class TreeCut:
         self._built = 0
 
     # -- called by the tree, on the loop, before a change ------------------------
+    def _in_cut(self, inode):
+        # Inode numbers are never reused and an inode that leaves the tree never
+        # comes back, so an inode in the tree now with a number below the cut's
+        # next_ino was in the tree at the cut. (One that left since was preserved
+        # before it left: the tree preserves an inode before it unlinks it.)
+        return inode.ino < self.next_ino and self._live.get(inode.ino) is inode
+
     def preserve(self, inode):
-        if inode.ino not in self._saved and self.inodes.get(inode.ino) is inode:
+        if inode.ino not in self._saved and self._in_cut(inode):
             self._saved[inode.ino] = inode_fields(inode)
 
     def preserve_name(self, directory, name):
-        if self.inodes.get(directory.ino) is directory:
+        if self._in_cut(directory):
             names = self._names.setdefault(directory.ino, {})
             if name not in names:
                 names[name] = directory.entries.get(name)
@@ -93,7 +102,8 @@ class TreeCut:
 
     def _rows(self, provisional):
         """The InodeRows at the cut; inode numbers of provisional files go to ``provisional``."""
-        for ino, inode in self.inodes.items():           # our own copy: nobody changes it
+        for inode in self.inodes:                        # our own list: nobody changes it
+            ino = inode.ino
             fields = self._saved.get(ino)
             if fields is None:
                 fields = inode_fields(inode)

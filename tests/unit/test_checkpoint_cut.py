@@ -110,3 +110,38 @@ async def test_a_checkpoint_taken_while_operations_go_on_reloads_to_the_live_tre
             assert await read_all(fs.ns, ino) == data
     finally:
         close_and_check(fs)
+
+
+def block_rows(rows):
+    return sorted(row.to_wire() for row in rows)
+
+
+async def test_an_index_cut_keeps_the_blocks_of_its_instant(tmp_path):
+    """Refs changed, blocks made, and a block freed and made again under the same key
+    after the cut: the cut's rows are still those of its instant."""
+    fs = open_fs(mkfs(tmp_path))
+    async with running(fs):
+        ns = fs.ns
+        dirs = await populate(fs, 800)
+        await ns.commit()
+        ns.drop_caches()                # no cached data pins a block: an unlinked file's block goes
+        expected_rows, expected_transient = fs.index.snapshot()
+        index_cut, _ = fs.index.cut()
+        # A block freed after the cut, then made again with the same content: a new entry, same key.
+        victim = ns.tree.dir(dirs[3]).entries.get(b"f799")
+        (key,) = ns.tree.inodes[victim].committed
+        old_off = fs.index.entries[key].off
+        ns.unlink(dirs[3], b"f799", directory=False)
+        ns.forget(victim, 1 << 30)      # as the kernel would: the orphan and its pin go
+        await ns.commit()
+        assert key not in fs.index.entries
+        await write_file(ns, dirs[1], b"again", pattern(799, 100 + 799))
+        assert fs.index.entries[key].refs == 1 and fs.index.entries[key] not in index_cut.entries
+        await mutate(ns, dirs, 20)
+        await ns.commit()
+        built_rows, _ = index_cut.build()
+        fs.index.end_cut()
+        assert block_rows(fs.index.snapshot()[0]) != block_rows(expected_rows)    # the changes were real
+        assert block_rows(built_rows) == block_rows(expected_rows)                # the cut saw none of them
+        assert [r.off for r in built_rows if r.key == key] == [old_off]
+    close_and_check(fs)
