@@ -214,7 +214,11 @@ def probe_during(directory, action, settle=0.3):
     finally:
         stop.set()
         thread.join()
-    during = sorted(lat for start, lat in samples if start + lat >= begin and start <= end)
+    overlapping = [(lat, start) for start, lat in samples if start + lat >= begin and start <= end]
+    during = sorted(lat for lat, _ in overlapping)
+    # When the slowest probe began, from the action's start: tells a stall at the
+    # checkpoint's cut (near 0) from one in its middle or at its end.
+    slowest_at = max(overlapping)[1] - begin if overlapping else None
     before = sorted(lat for start, lat in samples if start + lat < begin)
 
     def ms(values, q):
@@ -222,7 +226,7 @@ def probe_during(directory, action, settle=0.3):
 
     return {"action_seconds": end - begin, "probes": len(during),
             "max_latency_ms": ms(during, 1.0), "p99_latency_ms": ms(during, 0.99),
-            "median_latency_ms": ms(during, 0.5),
+            "median_latency_ms": ms(during, 0.5), "max_latency_at_s": slowest_at,
             "baseline_probes": len(before), "baseline_max_latency_ms": ms(before, 1.0)}
 
 
@@ -327,7 +331,11 @@ def run_side(side, work, threads, list_entries, sample):
     if is_kvfs:
         before = side.stats()["checkpoints"]
         out["checkpoint_probe"] = probe_during(root, lambda: bl.kvfs_tool("admin", "checkpoint", root))
-        out["checkpoint_probe"]["checkpoints_written"] = side.stats()["checkpoints"] - before
+        after = side.stats()
+        out["checkpoint_probe"]["checkpoints_written"] = after["checkpoints"] - before
+        # The daemon's own view: the longest it held the loop taking a checkpoint's cuts.
+        out["checkpoint_probe"]["daemon_cut_ms_max"] = after["checkpoint_cut_ms_max"]
+        out["checkpoint_probe"]["daemon_last_ms"] = after["checkpoint_last_ms"]
         bl.log(f"kvfs: checkpoint took {out['checkpoint_probe']['action_seconds']:.2f} s; longest probe "
                f"{out['checkpoint_probe']['max_latency_ms']:.1f} ms")
 
