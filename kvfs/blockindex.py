@@ -40,6 +40,7 @@ from .crashpoints import crashpoint
 from .dedupdomains import DedupDomains
 from .errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
 from .gcpolicy import release_off_loop
+from .indexcut import IndexCut
 from .sharedints import shared
 
 log = logging.getLogger(__name__)
@@ -55,63 +56,6 @@ class BlockEntry:
     def __init__(self, off, length, refs=0, pins=0, domain=0, key=None):
         self.off, self.length, self.refs, self.pins = off, length, refs, pins
         self.domain, self.key = domain, key
-
-
-class IndexCut:
-    """The block rows at a checkpoint's cut, copy-on-write like kvfs/namespace/cut.py's TreeCut.
-
-    Only ``refs`` of an entry ever changes (its extent and domain are fixed at
-    creation), so the index saves an entry's refs before it changes them, and
-    :meth:`write` (a worker thread; :meth:`build` for fsck) reads the live
-    entry, then prefers a saved value. Entries made after the cut are not in
-    it: their extents were free at the cut, and the store's copy of the free
-    map says so.
-
-    The cut lists the entry objects rather than copying the dict (6 ms at a
-    million blocks instead of 31, on the loop), so it cannot tell whether an
-    entry is one of its own; it need not. Refs saved for a key no entry of the
-    cut has are never read. A key has one entry at a time, and an entry of the
-    cut leaves the index only once it has no refs: either they dropped after
-    the cut (``drop_ref`` saved them first) or it had none at the cut. A later
-    entry under that key saves its refs before its first change, when it has
-    none: 0 either way, the cut's value.
-    """
-
-    def __init__(self, index):
-        self.entries = list(index.entries.values())
-        self.writing = [(off, n) for _, off, n in index._writing.values()]
-        self._refs = {}
-
-    def preserve(self, key, entry):
-        if key not in self._refs:
-            self._refs[key] = entry.refs
-
-    def build(self):
-        """(BlockRows of the cut, extents only RAM knew about at the cut: free for the checkpoint)."""
-        transient = list(self.writing)
-        return list(self._rows(transient)), transient
-
-    def write(self, writer):
-        """Write the cut's BlockRows into ``writer`` (a schema.CheckpointWriter) as they are made;
-        returns the extents only RAM knew about at the cut."""
-        transient = list(self.writing)
-        writer.start_rows("blocks")
-        for row in self._rows(transient):
-            writer.add_row(row)
-        return transient
-
-    def _rows(self, transient):
-        """The BlockRows at the cut; extents of blocks nothing named at the cut go to ``transient``."""
-        for e in self.entries:
-            key = e.key
-            refs = self._refs.get(key)
-            if refs is None:
-                refs = e.refs
-                refs = self._refs.get(key, refs)
-            if refs:
-                yield schema.BlockRow(key, e.off, e.length, refs, e.domain)
-            else:
-                transient.append((e.off, e.length))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,12 +144,17 @@ class BlockIndex:
         self._cut = IndexCut(self)
         return self._cut, self.store.cut()
 
+    def list_cut(self, cuts):
+        """On the loop, in a later step than ``cut``: list the entries (see IndexCut)."""
+        cuts[0].list_entries()
+
     def end_cut(self):
         self._cut = None
 
     async def write_checkpoint(self, cuts, writer):
         """Add the cut's blocks to ``writer`` (in a worker thread), after the namespace's part, and write it."""
         index_cut, store_cut = cuts
+        index_cut.list_entries()            # if list_cut did not: still on the loop
         try:
             transient = await trio.to_thread.run_sync(index_cut.write, writer, limiter=self.hash_limiter)
         finally:
@@ -214,7 +163,7 @@ class BlockIndex:
             await self.store.write_checkpoint(store_cut, writer, transient)
         finally:
             # Freed off the loop, in pieces: freeing it here held the loop (kvfs/gcpolicy.py).
-            await release_off_loop(index_cut.entries, limiter=self.hash_limiter)
+            await release_off_loop(index_cut.entries, index_cut.gone, limiter=self.hash_limiter)
 
     def checkpoint_capacity(self):
         return self.store.checkpoint_capacity()
@@ -252,6 +201,8 @@ class BlockIndex:
             self.store.allocate_at(off, length)
             self.entries[key] = e = BlockEntry(off, length, domain=domain, key=key)
             self.used_bytes += align_up(length)
+            if self._cut is not None:
+                self._cut.made(key, e)
         elif (e.off, e.length, e.domain) != (off, length, domain):
             raise FormatError(f"block {key.hex()} recorded at two extents")
         if self._cut is not None:
@@ -275,6 +226,8 @@ class BlockIndex:
 
     def _maybe_free(self, key, e):
         if e.refs <= 0 and e.pins <= 0:
+            if self._cut is not None:
+                self._cut.forget(key, e)
             del self.entries[key]
             self.used_bytes -= align_up(e.length)
             self.store.free(e.off, e.length)
@@ -415,7 +368,9 @@ class BlockIndex:
 
     def _enter_written(self, key, off, length, domain):
         crashpoint("block-written")
-        self.entries[key] = BlockEntry(off, shared(length), pins=1, domain=domain, key=key)
+        self.entries[key] = e = BlockEntry(off, shared(length), pins=1, domain=domain, key=key)
+        if self._cut is not None:
+            self._cut.made(key, e)
         self.used_bytes += align_up(length)
         self._blocks_written += 1
         self._data_bytes_written += length

@@ -36,6 +36,7 @@ GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpol
 ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
                        "dedupdomains": "blockindex",   # the block index's dedup domains
+                       "indexcut": "blockindex",   # the block index's part of a checkpoint cut
                        "pagedrops": "fuseops",    # kernel page drops, sent from the FUSE layer
                        "pagefill": "fuseops",     # kernel page fills, sent from the FUSE layer
                        "fuseloop": "fuseops"}     # pyfuse3's wait for the next request

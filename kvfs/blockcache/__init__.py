@@ -124,6 +124,9 @@ class BlockCache(ReadSide, WriteBack):
     def cut_for_checkpoint(self):
         return self.index.cut()
 
+    def list_cut(self, cuts):
+        self.index.list_cut(cuts)
+
     def end_cut(self):
         self.index.end_cut()
 

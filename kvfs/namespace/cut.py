@@ -4,9 +4,15 @@ A checkpoint must hold the state at one instant: exactly the records appended
 before it. Building a million inode rows takes seconds, and on the event loop
 that would stall every FUSE request for as long. So the instant is a *cut*:
 
-* taking it (``Tree.cut``, on the loop) lists the inode objects (one C-level
-  copy, no Python work per inode: 6 ms at a million inodes, where a copy of
-  the dict took 31) and sorts the small ``pinned`` set;
+* taking it (``Tree.cut``, on the loop) notes ``next_ino`` and sorts the small
+  ``pinned`` set. It does not list the inodes: at a million inodes that list
+  (one C-level copy, 13-20 ms on a small VM) and the block index's list would
+  hold the loop for 40-70 ms together. :meth:`TreeCut.list_inodes` lists them
+  in a later loop step instead, after the requests that queued meanwhile ran.
+  Until then the cut keeps what that later list gets wrong: an inode made in
+  between has a number at or above the cut's ``next_ino`` (skipped when rows
+  are made), and one that leaves the tree in between is kept by
+  :meth:`TreeCut.forget`;
 * from then on, the tree calls :meth:`TreeCut.preserve` before it changes a
   durable field of an inode that existed at the cut, and
   :meth:`TreeCut.preserve_name` before it adds or removes a directory entry.
@@ -28,6 +34,7 @@ cut (fetched after the copy) are put back to their values at the cut.
 The tree ends the cut (:meth:`Tree.end_cut`) once the rows are built.
 """
 import dataclasses
+import itertools
 
 from .. import schema
 
@@ -55,13 +62,19 @@ def inode_fields(inode):
 
 class TreeCut:
     def __init__(self, tree):
-        self.inodes = list(tree.inodes.values())
-        self._live = tree.inodes            # read on the loop only, by _in_cut
+        self.inodes = None                  # list_inodes() fills it, a loop step later
+        self._gone = []                     # inodes of the cut that left the tree before that
+        self._live = tree.inodes            # read on the loop only (and by list_inodes)
         self.next_ino = tree.next_ino
         self.pinned = sorted(tree.pinned)
         self._saved = {}          # ino -> inode_fields at the cut
         self._names = {}          # directory ino -> {name: child ino at the cut, or ABSENT}
         self._built = 0
+
+    def list_inodes(self):
+        """On the loop, in a later step than the cut: list the tree's inode objects."""
+        if self.inodes is None:
+            self.inodes = list(self._live.values())
 
     # -- called by the tree, on the loop, before a change ------------------------
     def _in_cut(self, inode):
@@ -75,6 +88,11 @@ class TreeCut:
         if inode.ino not in self._saved and self._in_cut(inode):
             self._saved[inode.ino] = inode_fields(inode)
 
+    def forget(self, inode):
+        """``inode`` leaves the tree (already preserved): keep it if the list is not taken yet."""
+        if self.inodes is None and self._in_cut(inode):
+            self._gone.append(inode)
+
     def preserve_name(self, directory, name):
         if self._in_cut(directory):
             names = self._names.setdefault(directory.ino, {})
@@ -84,6 +102,7 @@ class TreeCut:
     # -- in a worker thread ---------------------------------------------------------
     def build(self):
         """The namespace's CheckpointState at the cut, whole (fsck; blocks and free map are added below)."""
+        self.list_inodes()
         provisional = []
         rows = list(self._rows(provisional))
         return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
@@ -92,6 +111,7 @@ class TreeCut:
     def write(self, writer):
         """Write the namespace's part of the checkpoint into ``writer`` (a schema.CheckpointWriter),
         each row packed as it is made: a million rows never exist at once."""
+        assert self.inodes is not None, "list_inodes() first, on the loop"
         provisional = []
         writer.put("next_ino", self.next_ino)
         writer.start_rows("inodes")
@@ -102,8 +122,11 @@ class TreeCut:
 
     def _rows(self, provisional):
         """The InodeRows at the cut; inode numbers of provisional files go to ``provisional``."""
-        for inode in self.inodes:                        # our own list: nobody changes it
+        next_ino = self.next_ino
+        for inode in itertools.chain(self.inodes, self._gone):    # our own lists: nobody changes them
             ino = inode.ino
+            if ino >= next_ino:
+                continue                                 # made after the cut, before the list
             fields = self._saved.get(ino)
             if fields is None:
                 fields = inode_fields(inode)

@@ -384,6 +384,8 @@ class Tree:
 
     def _drop_inode(self, inode):
         """The inode left the durable namespace; free it now or when the kernel lets go."""
+        if self._cut is not None:
+            self._cut.forget(inode)
         del self.inodes[inode.ino]
         self.file_count -= inode.is_file
         self.dir_count -= inode.is_dir

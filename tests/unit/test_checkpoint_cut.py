@@ -7,6 +7,7 @@ checkpointed while operations went on must reload to exactly the live tree.
 import os
 import stat
 
+import pytest
 import trio
 
 from kvfs.namespace import ROOT_INO
@@ -58,12 +59,20 @@ async def mutate(ns, dirs, rounds):
         await trio.sleep(0)
 
 
-async def test_a_cut_keeps_the_state_of_its_instant(tmp_path):
+# A checkpoint lists the inode and block objects a loop step after its cut: the
+# changes in between must not show either ("late"), nor those after the list ("at once").
+LIST_WHEN = ["at-once", "late"]
+
+
+@pytest.mark.parametrize("list_when", LIST_WHEN)
+async def test_a_cut_keeps_the_state_of_its_instant(tmp_path, list_when):
     fs = open_fs(mkfs(tmp_path))
     async with running(fs):
         dirs = await populate(fs, 800)
         expected = tree_as_rows(fs)
         cut = fs.ns.tree.cut()
+        if list_when == "at-once":
+            cut.list_inodes()
         await mutate(fs.ns, dirs, 40)
         changed = tree_as_rows(fs)
         built = rows_by_ino(cut.build())
@@ -116,7 +125,8 @@ def block_rows(rows):
     return sorted(row.to_wire() for row in rows)
 
 
-async def test_an_index_cut_keeps_the_blocks_of_its_instant(tmp_path):
+@pytest.mark.parametrize("list_when", LIST_WHEN)
+async def test_an_index_cut_keeps_the_blocks_of_its_instant(tmp_path, list_when):
     """Refs changed, blocks made, and a block freed and made again under the same key
     after the cut: the cut's rows are still those of its instant."""
     fs = open_fs(mkfs(tmp_path))
@@ -126,7 +136,10 @@ async def test_an_index_cut_keeps_the_blocks_of_its_instant(tmp_path):
         await ns.commit()
         ns.drop_caches()                # no cached data pins a block: an unlinked file's block goes
         expected_rows, expected_transient = fs.index.snapshot()
-        index_cut, _ = fs.index.cut()
+        cuts = fs.index.cut()
+        index_cut = cuts[0]
+        if list_when == "at-once":
+            fs.index.list_cut(cuts)
         # A block freed after the cut, then made again with the same content: a new entry, same key.
         victim = ns.tree.dir(dirs[3]).entries.get(b"f799")
         (key,) = ns.tree.inodes[victim].committed
@@ -136,7 +149,9 @@ async def test_an_index_cut_keeps_the_blocks_of_its_instant(tmp_path):
         await ns.commit()
         assert key not in fs.index.entries
         await write_file(ns, dirs[1], b"again", pattern(799, 100 + 799))
-        assert fs.index.entries[key].refs == 1 and fs.index.entries[key] not in index_cut.entries
+        assert fs.index.entries[key].refs == 1
+        if list_when == "at-once":
+            assert fs.index.entries[key] not in index_cut.entries
         await mutate(ns, dirs, 20)
         await ns.commit()
         built_rows, _ = index_cut.build()
