@@ -28,7 +28,7 @@ KiB, MiB = 1 << 10, 1 << 20
 PAGE = mmap.PAGESIZE
 FILES = 3
 ROUNDS = 2
-OPS = int(os.environ.get("KVFS_FSX_OPS", "1500"))       # per round, over all files
+OPS = int(os.environ.get("KVFS_FSX_OPS", "1000"))       # per round, over all files
 SEED = int(os.environ.get("KVFS_FSX_SEED", "20240611"))
 
 ACCESS = {"O_RDWR": os.O_RDWR, "O_RDONLY": os.O_RDONLY, "O_WRONLY": os.O_WRONLY}

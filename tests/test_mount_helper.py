@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfsmount import TEST_MMP_INTERVAL
+
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "mount" / "mount.kvfs"
 UNIT = REPO / "systemd" / "kvfs@.service"
@@ -100,7 +102,7 @@ def test_mount_in_mount8_calling_form(kvfs_factory):
     fs = kvfs_factory("helper", size="1G")
     fs.mkfs()
     log = fs.root / "kvfs.log"
-    opts = f"rw,noatime,_netdev,x-systemd.automount,cache_size=256M,log={log}"
+    opts = f"rw,noatime,_netdev,x-systemd.automount,cache_size=256M,log={log},mmp_interval={TEST_MMP_INTERVAL}"
     proc = run_helper(fs.device, fs.mnt, "-o", opts)
     assert proc.returncode == 0, f"stdout: {proc.stdout}\nstderr: {proc.stderr}"
     assert fs.mounted
@@ -113,7 +115,7 @@ def test_mount_in_mount8_calling_form(kvfs_factory):
     fs.umount()
     fs.assert_fsck_clean()
     # Again, with mount(8)'s -n flag and the options first: the data came back durable.
-    proc = run_helper("-n", "-o", f"defaults,log={log}", fs.device, fs.mnt)
+    proc = run_helper("-n", "-o", f"defaults,log={log},mmp_interval={TEST_MMP_INTERVAL}", fs.device, fs.mnt)
     assert proc.returncode == 0, proc.stderr
     fs.pid = fs.stats()["pid"]
     assert (fs.mnt / "chunk.pt").read_bytes() == data
@@ -157,7 +159,7 @@ def test_foreground_mount_stops_cleanly_on_sigterm(kvfs_factory, tmp_path):
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.settimeout(150)
-    proc = subprocess.Popen([str(HELPER), "-f", str(fs.device), str(fs.mnt), "-o", "defaults"],
+    proc = subprocess.Popen([str(HELPER), "-f", str(fs.device), str(fs.mnt), "-o", f"defaults,mmp_interval={TEST_MMP_INTERVAL}"],
                             env=helper_env(NOTIFY_SOCKET=str(tmp_path / "notify")), cwd="/",
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfsmount import TEST_MMP_INTERVAL
+
 REPO = Path(__file__).resolve().parent.parent
 UNITS = sorted((REPO / "systemd").glob("*.service"))
 MiB = 1 << 20
@@ -107,7 +109,9 @@ class NotifyListener:
 
 def start_foreground(fs, env_extra, log):
     env = {**os.environ, **env_extra}
-    return subprocess.Popen([sys.executable, "-m", "kvfs.cli.mount", "-f", str(fs.device), str(fs.mnt)],
+    # A short heartbeat, as KvfsMount gives every mount: the default one claims in 5 s.
+    return subprocess.Popen([sys.executable, "-m", "kvfs.cli.mount", "-f", str(fs.device), str(fs.mnt),
+                             "-o", f"mmp_interval={TEST_MMP_INTERVAL}"],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 

@@ -220,32 +220,29 @@ def test_posix_fallocate_fallback_is_cheap(kvfs):
     assert path.read_bytes() == bytes(16 * MiB)
 
 
-@pytest.mark.slow
-def test_large_flat_directory_lists_fast(kvfs):
+def test_a_large_flat_directory_lists_each_entry_once_while_entries_go(kvfs):
+    """20,000 entries (the 100,000-entry figures are test_engine_patterns.py's and the
+    metadata benchmark's): a listing returns each once, and removing entries while a
+    listing goes on neither skips nor repeats the others."""
     d = kvfs.mnt / "flat"
     d.mkdir()
-    n = 100_000
-    t0 = time.monotonic()
+    n = 20_000
     for i in range(n):
         os.close(os.open(d / f"meta-llama@1@0@{i:x}@bfloat16.pt", os.O_WRONLY | os.O_CREAT, 0o644))
-    created = time.monotonic() - t0
-    t0 = time.monotonic()
     names = os.listdir(d)
-    listed = time.monotonic() - t0
     assert len(names) == n and len(set(names)) == n
-    assert listed < 10, f"listing {n} entries took {listed:.1f} s"
-    # Removing entries while listing neither skips nor repeats the others.
+    victims = sorted(names)[-50:]
     with os.scandir(d) as it:
         seen = []
         for i, entry in enumerate(it):
             seen.append(entry.name)
             if i == 10:
-                for victim in sorted(names)[-50:]:
+                for victim in victims:
                     os.unlink(d / victim)
-    survivors = set(names) - set(sorted(names)[-50:])
+    survivors = set(names) - set(victims)
     assert len(seen) == len(set(seen))
     assert survivors <= set(seen)
-    print(f"created {n} files in {created:.1f} s, listed in {listed:.2f} s")
+    assert sorted(os.listdir(d)) == sorted(survivors)
 
 
 def test_by_hash_view_is_read_only(kvfs):

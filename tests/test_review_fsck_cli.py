@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvfs import schema as fmt
-from kvfsmount import run_tool
+from kvfsmount import TEST_MMP_INTERVAL, run_tool
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
@@ -309,7 +309,8 @@ def test_failure_inside_the_daemon_is_one_line_not_an_exception_group(kvfs_facto
     fs.mkfs()
     sb = superblock(fs.device)
     env = {**os.environ, faults.ENV: f"@{fs.faults_file}"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvfs.cli.mount", "-f", str(fs.device), str(fs.mnt)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvfs.cli.mount", "-f", str(fs.device), str(fs.mnt),
+                             "-o", f"mmp_interval={TEST_MMP_INTERVAL}"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
@@ -341,7 +342,8 @@ def test_relative_device_path_becomes_absolute_in_fsname_and_stats(kvfs_factory)
     fs = kvfs_factory(size="64M")
     fs.mkfs()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "kvfs.cli.mount", "store.kvfs", "mnt"], cwd=fs.root, env=env,
+    subprocess.run([sys.executable, "-m", "kvfs.cli.mount", "store.kvfs", "mnt",
+                    "-o", f"mmp_interval={TEST_MMP_INTERVAL}"], cwd=fs.root, env=env,
                    check=True, capture_output=True, timeout=120)
     want = str(fs.device.resolve())
     assert fs.stats()["device"] == want
