@@ -24,10 +24,7 @@ MOUNT_FIXTURES = ("kvfs", "kvfs_factory", "shared_kvfs")
 
 
 # The multi-mount protection heartbeat of test mounts (seconds), unless a test names its own.
-# Every mount's claim waits two intervals: 0.25 made each mount 1.1 s, 0.1 makes it 0.9.
-# An owner still tolerates a late heartbeat for 4 intervals + 2.5 s (kvfs/store/mmp.py),
-# so the shorter interval barely changes how loaded a host may be before a mount fences.
-TEST_MMP_INTERVAL = 0.1
+TEST_MMP_INTERVAL = 0.25
 
 
 def write_new(path, data):

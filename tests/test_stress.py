@@ -25,7 +25,7 @@ Afterwards: every name holds exactly its last content; the block statistics
 files need; umount, fsck clean (refcounts against the namespace), remount,
 the same again.
 
-``test_stress[plain]`` runs 60 s, ``test_stress[faults]`` 45 s with the
+``test_stress[plain]`` runs 45 s, ``test_stress[faults]`` 30 s with the
 fault-injecting device at a low rate (read delays, read EIO and short reads
 that io_retry absorbs, write delays): readers must never see EIO, wrong bytes
 or short reads, and no block may fail its checksum. One JSON summary line per
@@ -96,8 +96,8 @@ def abort_connection(fs, conn):
 
 
 @pytest.mark.parametrize("faulty, seconds", [
-    pytest.param(False, 60, id="plain"),     # 90 and 60 s took CI past 30 minutes
-    pytest.param(True, 45, id="faults"),
+    pytest.param(False, 45, id="plain"),     # 90 and 60 s took CI past 30 minutes
+    pytest.param(True, 30, id="faults"),
 ])
 def test_stress(kvfs_factory, faulty, seconds):
     seconds = float(SECONDS or seconds)
