@@ -154,7 +154,6 @@ class BlockIndex:
     async def write_checkpoint(self, cuts, writer):
         """Add the cut's blocks to ``writer`` (in a worker thread), after the namespace's part, and write it."""
         index_cut, store_cut = cuts
-        index_cut.list_entries()            # if list_cut did not: still on the loop
         try:
             transient = await trio.to_thread.run_sync(index_cut.write, writer, limiter=self.hash_limiter)
         finally:
