@@ -112,7 +112,10 @@ def injected(stats, effect, since=None):
                            r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 def test_device_errors_are_counted_by_kind(kvfs_factory):
     """Each kind of fault moves its own counter by exactly what was injected."""
-    fs = kvfs_factory(faults=[], mount_options=["io_retry=0", "io_timeout=1"])
+    # No timed commits: the sync fault must hit the commit the test's fsync makes, not
+    # a background one that happens to run first on a slow host (its records would then
+    # be committed again by that fsync, which rightly succeeds).
+    fs = kvfs_factory(faults=[], mount_options=["io_retry=0", "io_timeout=1", "commit_interval=3600"])
     fs.mkfs()
     fs.mount()
     victim, other, victim_range = two_files(fs)
