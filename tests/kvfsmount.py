@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvfs import crashpoints, faults
 
+from kvfs.cli import admin as admin_cli
 from kvfs.cli.admin import wait_exited
 
 
@@ -65,8 +66,10 @@ def run_tool(module, *args, check=True, timeout=300, input=None, env=None):
 def run_tool_in_process(module, *args, check=True):
     """Run a kvfs tool's ``main()`` in this process; returns what :func:`run_tool` would.
 
-    For the harness's own bookkeeping around a test (mkfs, stats, flush, umount, the
-    closing fsck): the same code as the command, without a new interpreter. On the
+    For the harness's own bookkeeping around a test (mkfs, the closing fsck; stats,
+    flush and umount call kvfs.cli.admin's functions): the same code as the
+    command, without a new interpreter. Not for use from several threads at once:
+    it swaps sys.stdout and sys.stderr while the tool runs. On the
     2-core CI VM an interpreter start with kvfs's imports costs 0.3-0.5 s, and every
     mounted test made four of them. Tests of the commands themselves (their output,
     exit status, and what they do in a process of their own) use :func:`run_tool`.
@@ -224,7 +227,7 @@ class KvfsMount:
 
     def umount(self):
         """Clean unmount through kvfs-admin (flushes, waits for the daemon)."""
-        run_tool_in_process("admin", "umount", self.mnt)
+        admin_cli.umount(str(self.mnt), timeout=300)     # what kvfs-admin umount does
         assert not self.mounted
         self.pid = None
 
@@ -275,11 +278,10 @@ class KvfsMount:
         return run_tool("admin", *args, check=check, timeout=timeout)
 
     def stats(self):
-        out = run_tool_in_process("admin", "stats", "--json", self.mnt).stdout
-        return json.loads(out)
+        return admin_cli.read_stats(str(self.mnt))           # what kvfs-admin stats --json prints
 
     def flush(self):
-        run_tool_in_process("admin", "flush", self.mnt)
+        admin_cli.send(str(self.mnt), "flush")               # what kvfs-admin flush does
 
     def fsck(self, *extra, check=False):
         return run_tool("fsck", *extra, self.device, check=check, timeout=600)
