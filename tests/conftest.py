@@ -26,6 +26,43 @@ def require_fuse():
                     pytrace=False)
 
 
+# -- parallel runs (pytest-xdist: tools/run-tests runs two workers) -----------------------
+
+# Most mounted tests wait far more than they compute (FUSE round trips, the
+# multi-mount claim, the device): one pytest kept a 2-core VM 30-40% busy, and two
+# test files that took 112 s and 101 s one after the other took 116 s side by side.
+# Each test file runs whole on one worker. Files that share something machine-wide
+# are grouped, and a group runs on one worker, file after file:
+SHARED_GROUPS = {
+    # The kernel's page cache: these drop it for the whole machine (/proc/sys/vm/
+    # drop_caches, for cold reads), or count the reads that reach the daemon (which a
+    # drop by another test would change).
+    "page-cache": ("test_bench_tool.py", "test_faults_writers.py", "test_ops_admin.py",
+                   "test_ops_metrics.py", "test_page_cache_coherence.py", "test_page_fill.py",
+                   "test_page_writer_opens.py", "test_read_path.py", "test_writeback_prefetch.py"),
+    # Time: these keep both cores busy for a fixed time (stress, crash rounds, fsx),
+    # or bound how long something may take. One at a time, none of them competes
+    # with another.
+    "timing": ("test_core_acceptance.py", "test_crash_points.py", "test_crash_random.py",
+               "test_crash_regressions.py", "test_faults_mounted.py", "test_fsx.py",
+               "test_metadata_memory.py", "test_mmp_mounted.py", "test_stress.py"),
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Mark each test with its xdist group (its file, or its file's shared group), and put
+    the shared groups first: they are the longest, and a long one started last would
+    leave the other worker idle at the end."""
+    group_of = {name: group for group, names in SHARED_GROUPS.items() for name in names}
+    for item in items:
+        in_tests = item.path.parent == Path(__file__).parent
+        group = group_of.get(item.path.name) if in_tests else None
+        item.add_marker(pytest.mark.xdist_group(group or item.nodeid.split("::")[0]))
+    order = list(SHARED_GROUPS)
+    items.sort(key=lambda item: next((order.index(m.args[0]) for m in item.iter_markers("xdist_group")
+                                      if m.args[0] in SHARED_GROUPS), len(order)))
+
+
 # -- unexpected error logs fail the test --------------------------------------------------
 
 # Loggers of the code under test, when it runs inside the test process: the kvfs
