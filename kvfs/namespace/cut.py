@@ -61,7 +61,10 @@ def inode_fields(inode):
 
 
 class TreeCut:
-    def __init__(self, tree):
+    def __init__(self, tree, *, listed_now=False):
+        """``listed_now``: list the inodes at the cut itself (fsck's snapshot, where nothing
+        changes meanwhile); then every inode listed is in the cut, whatever its number, and
+        fsck sees even one at or above a (damaged) next_ino."""
         self.inodes = None                  # list_inodes() fills it, a loop step later
         self._gone = []                     # inodes of the cut that left the tree before that
         self._live = tree.inodes            # read on the loop only (and by list_inodes)
@@ -70,6 +73,9 @@ class TreeCut:
         self._saved = {}          # ino -> inode_fields at the cut
         self._names = {}          # directory ino -> {name: child ino at the cut, or ABSENT}
         self._built = 0
+        self._listed_late = not listed_now
+        if listed_now:
+            self.list_inodes()
 
     def list_inodes(self):
         """On the loop, in a later step than the cut: list the tree's inode objects."""
@@ -122,7 +128,7 @@ class TreeCut:
 
     def _rows(self, provisional):
         """The InodeRows at the cut; inode numbers of provisional files go to ``provisional``."""
-        next_ino = self.next_ino
+        next_ino = self.next_ino if self._listed_late else float("inf")
         for inode in itertools.chain(self.inodes, self._gone):    # our own lists: nobody changes them
             ino = inode.ino
             if ino >= next_ino:

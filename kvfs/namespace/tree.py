@@ -113,6 +113,13 @@ class Tree:
             if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional
                 self.inodes[ino].provisional = True
         self.pinned = set(state.pinned)
+        top = max(self.inodes, default=0)
+        if top >= self.next_ino and not skip_failures:
+            # A checkpoint's next_ino is above every inode in it (numbers are never
+            # reused). Mounting one that is not would hand out numbers in use, and a
+            # checkpoint cut leaves out inodes at or above next_ino (kvfs/namespace/cut.py).
+            raise FormatError(f"checkpoint next inode number {self.next_ino} is not above inode {top} "
+                              f"in use: run fsck.kvfs --repair")
         if ROOT_INO not in self.inodes:     # a fresh filesystem: mkfs writes an empty state
             root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now=self.now())
             root.parent = ROOT_INO
@@ -247,7 +254,7 @@ class Tree:
         """The namespace's part of a CheckpointState, synchronously (fsck; checkpoints use ``cut``).
 
         A cut built at once, with nothing changing meanwhile, is exactly that state."""
-        return TreeCut(self).build()
+        return TreeCut(self, listed_now=True).build()
 
     # -- record application (shared by live operations and replay) ----------
     def apply(self, rec):

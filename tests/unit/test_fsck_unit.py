@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from kvfs import fsck
-from kvfs.errors import Busy
+from kvfs.errors import Busy, FormatError
 from kvfs.namespace import ROOT_INO
 
 from .helpers import (BS, DIR_MODE, assert_fsck_clean, close_and_check, flip_byte, lookup_path, mkfs,
@@ -253,6 +253,30 @@ def test_unreachable_inode_is_dropped(tmp_path):
         fs = open_fs(path)
         assert detach.f not in fs.ns.tree.inodes
         assert all(k not in fs.index.entries for k in detach.keys)      # its blocks were freed
+        assert await read_all(fs.ns, lookup_path(fs.ns, "g")) == pattern(4, BS)
+        close_and_check(fs)
+    trio.run(after)
+
+
+def test_next_inode_number_at_or_below_one_in_use_is_refused_by_mount_and_repaired(tmp_path):
+    """A checkpoint whose next_ino is not above every inode it holds (the fuzzer made
+    next_ino 0): fsck saw an empty tree and crashed (max() of nothing), because its
+    snapshot left out inodes at or above next_ino, as a live cut must. Now fsck lists
+    them all and reports it, mount refuses, and --repair makes it mountable again."""
+    path = mkfs(tmp_path)
+
+    def zero(state, fs):
+        zero.top = max(row.ino for row in state.inodes)
+        state.next_ino = 0
+    trio.run(write_inconsistent_checkpoint, path, zero)
+    with pytest.raises(FormatError, match=f"next inode number 0 is not above inode {zero.top} in use"):
+        open_fs(path)
+    repair_and_expect_clean(path, f"next inode number 0 is not above the largest in use ({zero.top})")
+
+    async def after():
+        fs = open_fs(path)
+        assert fs.ns.tree.next_ino == zero.top + 1
+        assert await read_all(fs.ns, lookup_path(fs.ns, "d/f")) == pattern(3, 2 * BS)
         assert await read_all(fs.ns, lookup_path(fs.ns, "g")) == pattern(4, BS)
         close_and_check(fs)
     trio.run(after)
