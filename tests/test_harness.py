@@ -160,3 +160,21 @@ def test_unexpected_error_logs_fail_the_test(tmp_path):
     }, proc.stdout + proc.stderr
     assert "in-process: ERROR kvfs.namespace: inode 3 names missing blocks" in proc.stdout
     assert "kvfs.daemon: final checkpoint failed" in proc.stdout
+
+
+def test_files_that_drop_the_page_cache_or_count_kernel_reads_share_one_worker(request):
+    """tests/conftest.py runs the files of SHARED_GROUPS["page-cache"] one after another on
+    one worker: a file that drops the kernel's page cache for the whole machine must not
+    run beside one that counts the reads reaching its daemon. A file that does either
+    and is missing from the group fails here, not as a rare flake of another file."""
+    from conftest import SHARED_GROUPS
+    marks = ("drop_kernel_cache", "/proc/sys/vm/drop_caches", "kernel_read_requests")
+    here = Path(__file__).parent
+    needing = {p.name for p in here.glob("test_*.py")
+               if any(m in p.read_text() for m in marks) and p.name != Path(__file__).name}
+    assert "test_page_fill.py" in needing, needing          # the scan finds what it looks for
+    missing = sorted(needing - set(SHARED_GROUPS["page-cache"]))
+    assert not missing, f"add these to SHARED_GROUPS['page-cache'] in tests/conftest.py: {missing}"
+    # And the group marks reach the tests (what pytest-xdist's loadgroup reads).
+    groups = {m.args[0] for m in request.node.iter_markers("xdist_group")}
+    assert groups == {"tests/test_harness.py"}, groups
