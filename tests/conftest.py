@@ -31,8 +31,8 @@ def require_fuse():
 # Most mounted tests wait far more than they compute (FUSE round trips, the
 # multi-mount claim, the device): one pytest kept a 2-core VM 30-40% busy, and two
 # test files that took 112 s and 101 s one after the other took 116 s side by side.
-# Each test file runs whole on one worker. Files that share something machine-wide
-# are grouped, and a group runs on one worker, file after file:
+# Under --dist loadfile each test file runs whole on one worker. Files that share
+# something machine-wide are grouped, and a group runs on one worker, file after file:
 SHARED_GROUPS = {
     # The kernel's page cache: these drop it for the whole machine (/proc/sys/vm/
     # drop_caches, for cold reads), or count the reads that reach the daemon (which a
@@ -47,20 +47,45 @@ SHARED_GROUPS = {
                "test_crash_regressions.py", "test_faults_mounted.py", "test_fsx.py",
                "test_metadata_memory.py", "test_mmp_mounted.py", "test_stress.py"),
 }
+_GROUP_OF = {f"tests/{name}": group for group, names in SHARED_GROUPS.items() for name in names}
+
+
+def work_unit(nodeid):
+    """What one worker runs whole: the test's shared group, or else its file."""
+    file = nodeid.split("::")[0]
+    return _GROUP_OF.get(file, file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with each shared group as one file.
+
+    Not xdist's own loadgroup: it tags node ids with the group (item._nodeid), and
+    pytest 9 no longer reads node ids from there, so every test ended up a group of its
+    own and the groups above were split across the workers.
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None                             # xdist's own scheduler for other modes
+    return file_group_scheduling()(config, log)
+
+
+def file_group_scheduling():
+    """xdist's scope scheduler, its scopes made by :func:`work_unit` (imported late: the
+    layer tests run without xdist too)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return work_unit(nodeid)
+
+    return FileGroupScheduling
 
 
 def pytest_collection_modifyitems(items):
-    """Mark each test with its xdist group (its file, or its file's shared group), and put
-    the shared groups first: they are the longest, and a long one started last would
-    leave the other worker idle at the end."""
-    group_of = {name: group for group, names in SHARED_GROUPS.items() for name in names}
-    for item in items:
-        in_tests = item.path.parent == Path(__file__).parent
-        group = group_of.get(item.path.name) if in_tests else None
-        item.add_marker(pytest.mark.xdist_group(group or item.nodeid.split("::")[0]))
+    """Put the shared groups first: they are the longest, and a long one started last
+    would leave the other worker idle at the end (--no-loadscope-reorder keeps this order)."""
     order = list(SHARED_GROUPS)
-    items.sort(key=lambda item: next((order.index(m.args[0]) for m in item.iter_markers("xdist_group")
-                                      if m.args[0] in SHARED_GROUPS), len(order)))
+    items.sort(key=lambda item: order.index(work_unit(item.nodeid)) if work_unit(item.nodeid) in order
+               else len(order))
 
 
 # -- unexpected error logs fail the test --------------------------------------------------

@@ -175,6 +175,9 @@ def test_files_that_drop_the_page_cache_or_count_kernel_reads_share_one_worker(r
     assert "test_page_fill.py" in needing, needing          # the scan finds what it looks for
     missing = sorted(needing - set(SHARED_GROUPS["page-cache"]))
     assert not missing, f"add these to SHARED_GROUPS['page-cache'] in tests/conftest.py: {missing}"
-    # And the group marks reach the tests (what pytest-xdist's loadgroup reads).
-    groups = {m.args[0] for m in request.node.iter_markers("xdist_group")}
-    assert groups == {"tests/test_harness.py"}, groups
+    # And the scheduler tools/run-tests gets hands each group out whole.
+    from conftest import file_group_scheduling
+    scheduler = object.__new__(file_group_scheduling())      # _split_scope needs no state
+    units = {scheduler._split_scope(f"tests/{name}::test_x[a-b]") for name in sorted(needing)}
+    assert units == {"page-cache"}, units
+    assert scheduler._split_scope("tests/test_harness.py::test_x") == "tests/test_harness.py"
