@@ -83,9 +83,8 @@ def file_group_scheduling():
 def pytest_collection_modifyitems(items):
     """Put the shared groups first: they are the longest, and a long one started last
     would leave the other worker idle at the end (--no-loadscope-reorder keeps this order)."""
-    order = list(SHARED_GROUPS)
-    items.sort(key=lambda item: order.index(work_unit(item.nodeid)) if work_unit(item.nodeid) in order
-               else len(order))
+    rank = {group: i for i, group in enumerate(SHARED_GROUPS)}
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))
 
 
 # -- unexpected error logs fail the test --------------------------------------------------

@@ -226,7 +226,7 @@ class KvfsMount:
         return os.path.ismount(self.mnt)
 
     def umount(self):
-        """Clean unmount through kvfs-admin (flushes, waits for the daemon)."""
+        """Clean unmount as kvfs-admin umount does it (flushes, waits for the daemon)."""
         admin_cli.umount(str(self.mnt), timeout=300)     # what kvfs-admin umount does
         assert not self.mounted
         self.pid = None
