@@ -35,7 +35,7 @@ import trio
 import xxhash
 
 from . import schema
-from .aligned import align_up
+from .aligned import SECTOR, align_up
 from .crashpoints import crashpoint
 from .dedupdomains import DedupDomains
 from .errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 class BlockEntry:
     # ``key`` is the entry's own key object, so that files loaded from a
-    # checkpoint can share it (stored_key) instead of each keeping the copy
+    # checkpoint can share it (stored_keys) instead of each keeping the copy
     # msgpack decoded for them: 64 bytes a block. The slot is free: the
     # object stays in the same 80-byte allocator size class.
     __slots__ = ("off", "length", "refs", "pins", "domain", "key")
@@ -116,12 +116,14 @@ class BlockIndex:
         """Enter the checkpoint's BlockRows (dropped from ``blocks`` as they go with ``consume``)."""
         # msgpack decodes every length and domain into an int object of its own:
         # most blocks have one of a few of each (kvfs/sharedints.py).
+        entries, used, sector = self.entries, 0, SECTOR
         for i, row in enumerate(blocks):
-            length = shared(row.length)
-            self.entries[row.key] = BlockEntry(row.off, length, row.refs, domain=shared(row.domain), key=row.key)
-            self.used_bytes += align_up(length)
+            length, key = shared(row.length), row.key
+            entries[key] = BlockEntry(row.off, length, row.refs, 0, shared(row.domain), key)
+            used += (length + sector - 1) // sector * sector        # align_up, inline
             if consume:
                 blocks[i] = None
+        self.used_bytes += used
 
     def snapshot(self):
         """(BlockRows named by durable contents, extents only RAM knows about), synchronously.
@@ -182,10 +184,12 @@ class BlockIndex:
         e = self.entries[key]
         return e.off, e.length
 
-    def stored_key(self, key):
-        """The index's own object for ``key`` (equal to it), or None if no block has that key."""
-        e = self.entries.get(key)
-        return None if e is None else e.key
+    def stored_keys(self, keys):
+        """The index's own object for each key (equal to it); None for None and for a key no block has.
+
+        One call a file: mount asks it for every file's block list."""
+        get = self.entries.get
+        return [None if (entry := get(key)) is None else entry.key for key in keys]
 
     def block_ref(self, key):
         """What a content record says about a stored block."""

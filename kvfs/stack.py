@@ -95,8 +95,8 @@ class IndexRefs:
     def has_block(self, key):
         return key in self.index.entries
 
-    def stored_key(self, key):
-        return self.index.stored_key(key)
+    def stored_keys(self, keys):
+        return self.index.stored_keys(keys)
 
     def block_count(self):
         return self.index.block_count()

@@ -100,8 +100,8 @@ class BlockCache(ReadSide, WriteBack):
     def has_block(self, key):
         return key in self.index.entries
 
-    def stored_key(self, key):
-        return self.index.stored_key(key)
+    def stored_keys(self, keys):
+        return self.index.stored_keys(keys)
 
     def block_ref(self, key):
         return self.index.block_ref(key)

@@ -24,7 +24,8 @@ namespace without a cache.
 """
 import logging
 import stat
-from typing import Optional, Protocol
+from stat import S_IFREG
+from typing import Protocol
 
 from .. import schema
 from ..blockcache import FileData
@@ -48,7 +49,7 @@ class BlockRefs(Protocol):
     def public_id(self, key: bytes) -> bytes: ...
     def drop_ref(self, key: bytes) -> None: ...
     def has_block(self, key: bytes) -> bool: ...
-    def stored_key(self, key: bytes) -> Optional[bytes]: ...
+    def stored_keys(self, keys) -> list: ...
     def block_count(self) -> int: ...
     def attach(self, filedata: FileData) -> None: ...
     def release(self, filedata: FileData) -> None: ...
@@ -101,14 +102,17 @@ class Tree:
         assert self._cut is None and not self.inodes and not self.content.built, "load builds a new tree"
         self.next_ino = state.next_ino
         rows = state.inodes             # a list, or a stream decoded as it goes (kvfs/schema/stream.py)
-        drop = consume and isinstance(rows, list)
-        self._rows_miss_blocks = False  # set by _load_inode
-        for i, row in enumerate(rows):
-            if row.ino in self.inodes:
-                raise FormatError(f"checkpoint holds inode {row.ino} twice")
-            self._load_inode(row)
-            if drop:
-                rows[i] = None
+        # Each row as its fields in wire order: the stream yields them so, with no InodeRow made.
+        source = _row_fields(rows, drop=consume) if isinstance(rows, list) else rows.fields()
+        self._rows_miss_blocks = False  # set by _load_file
+        inodes, load_file, load_inode = self.inodes, self._load_file, self._load_inode
+        for fields in source:
+            if fields[0] in inodes:
+                raise FormatError(f"checkpoint holds inode {fields[0]} twice")
+            if fields[1] & 0o170000 == S_IFREG:
+                load_file(*fields)
+            else:
+                load_inode(*fields)
         for ino in state.provisional:
             if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional
                 self.inodes[ino].provisional = True
@@ -149,11 +153,14 @@ class Tree:
         """
         S_ISDIR, S_ISREG = stat.S_ISDIR, stat.S_ISREG
         inodes, cost_of = self.inodes, self._inode_cost
-        stored_key, domain_of, attach = self.blocks.stored_key, self.blocks.domain_of, self.blocks.attach
+        stored_keys, domain_of, attach = self.blocks.stored_keys, self.blocks.domain_of, self.blocks.attach
         meta = files = dirs = committed_bytes = 0
         for inode in inodes.values():
-            meta += cost_of(inode)
             mode = inode.mode
+            if S_ISREG(mode):           # _inode_cost of a file, inline: most inodes are files
+                meta += INODE_ROW_COST + FILE_KEY_COST * len(inode.committed)
+            else:
+                meta += cost_of(inode)
             if S_ISDIR(mode):
                 dirs += 1
                 ino = inode.ino
@@ -170,7 +177,7 @@ class Tree:
                 # Its live content stays unbuilt until an open (namespace/idle.py),
                 # but for a file whose blocks are missing: that one fails its reads.
                 committed = inode.committed
-                present = tuple([None if k is None else stored_key(k) for k in committed])
+                present = tuple(stored_keys(committed))
                 if present == committed:
                     inode.committed = present
                     continue
@@ -188,36 +195,41 @@ class Tree:
         self.file_count, self.committed_bytes = len(files), sum(i.size_committed for i in files)
         self.dir_count = sum(1 for i in self.inodes.values() if i.is_dir)
 
-    def _load_inode(self, row):
-        # msgpack decodes every int above 256 into an object of its own: modes
-        # and owners (Inode shares them) and sizes repeat (kvfs/sharedints.py).
-        inode = Inode(row.ino, row.mode, row.uid, row.gid, row.rdev)
+    def _load_file(self, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload):
+        """A regular file's checkpoint row (validated: kvfs/schema/validate.py), as an idle Inode."""
+        # With the index's key objects: a decoded copy freed now is reused by the
+        # next row's (a million freed at the end of the load left 64 MB of empty
+        # allocator pools). None: a hole, or a block the index lacks.
+        size, keys = payload
+        present = self.blocks.stored_keys(keys)
+        if present != keys:
+            self._rows_miss_blocks = True
+            present = [p or k for p, k in zip(present, keys)]
         # Equal timestamps share one int object (48 bytes each): a file
         # written once has mtime == ctime, and often atime too.
-        mtime = row.mtime
-        atime = mtime if row.atime == mtime else row.atime
-        ctime = mtime if row.ctime == mtime else row.ctime
-        inode.nlink, inode.atime, inode.mtime, inode.ctime = row.nlink, atime, mtime, ctime
-        if stat.S_ISDIR(row.mode):
-            inode.parent = row.parent
-            add = inode.entries.add
-            for name, child in row.entries:
-                add(name, child)
-        elif stat.S_ISREG(row.mode):
-            # What _set_committed does, less what load does not need (_finish_load
-            # counts afresh), with the index's key objects: a decoded copy freed
-            # now is reused by the next row's (a million freed at the end of the
-            # load left 64 MB of empty allocator pools). None: a hole, or missing.
-            stored_key, keys = self.blocks.stored_key, row.keys
-            present = [k and stored_key(k) for k in keys]
-            if present != keys:
-                self._rows_miss_blocks = True
-                present = [p or k for p, k in zip(present, keys)]
-            inode.committed = present
-            inode.size_committed = shared(row.size)
-        elif stat.S_ISLNK(row.mode):
-            inode.target = row.payload
-        self.inodes[row.ino] = inode
+        if atime == mtime:
+            atime = mtime
+        if ctime == mtime:
+            ctime = mtime
+        inode = Inode.loaded_file(ino, mode, uid, gid, nlink, atime, mtime, ctime, present, size)
+        if rdev:
+            inode.rdev = rdev
+        self.inodes[ino] = inode
+
+    def _load_inode(self, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload):
+        """A checkpoint row of any other type (directory, symlink, node), as an Inode."""
+        # msgpack decodes every int above 256 into an object of its own: modes
+        # and owners (Inode shares them) repeat (kvfs/sharedints.py).
+        inode = Inode(ino, mode, uid, gid, rdev)
+        atime = mtime if atime == mtime else atime
+        ctime = mtime if ctime == mtime else ctime
+        inode.nlink, inode.atime, inode.mtime, inode.ctime = nlink, atime, mtime, ctime
+        if stat.S_ISDIR(mode):
+            inode.parent = payload[0]
+            inode.entries.add_all(payload[1])      # validated: distinct names (kvfs/schema/validate.py)
+        elif stat.S_ISLNK(mode):
+            inode.target = payload
+        self.inodes[ino] = inode
 
     def _drop_provisional(self):
         """Remove files whose content was never recorded: they were in flight at a crash."""
@@ -463,3 +475,12 @@ class Tree:
     def metadata_bytes(self):
         """Estimated (upper bound) checkpoint size of the durable state."""
         return self._meta_bytes + INDEX_BLOCK_COST * self.blocks.block_count() + 4096
+
+
+def _row_fields(rows, drop):
+    """Each InodeRow of a list as its fields in wire order; with ``drop`` the list lets go of each row."""
+    for i, row in enumerate(rows):
+        yield (row.ino, row.mode, row.uid, row.gid, row.nlink, row.rdev, row.atime, row.mtime, row.ctime,
+               row.payload)
+        if drop:
+            rows[i] = None

@@ -25,13 +25,16 @@ were built; mount then builds nothing). The same inode twice is left to the
 consumer (the namespace checks it as it adds rows). Payloads that are not a
 map of the expected shape go through ``from_wire`` whole, for its messages.
 """
+import dataclasses
 import io
+from stat import S_IFREG
 
 import msgpack
 
 from ..errors import FormatError
 from .records import BlockRow, CheckpointState, InodeRow
-from .validate import _inode_row, check_block_rows
+from .validate import (_inode_row, block_fields_are_valid, check_block_count, check_block_rows,
+                       inode_fields_are_valid)
 
 _ARRAY_TYPES = frozenset(range(0x90, 0xa0)) | {0xdc, 0xdd}      # fixarray, array 16, array 32
 
@@ -42,12 +45,13 @@ def _unpacker(payload, start=0):
     return msgpack.Unpacker(stream, strict_map_key=False, max_buffer_size=max(len(payload), 1 << 20))
 
 
-def decode_streaming(payload, first_ino, check_row=None):
+def decode_streaming(payload, first_ino, block_size=None):
     """CheckpointState of ``payload`` with its inode rows left to decode lazily (see module doc).
 
-    ``check_row(row)`` runs on each row as it is yielded (the loader's
-    block-count check). Returns None when the payload is not a plain map: the
-    caller then decodes it whole (``from_wire`` explains what is wrong)."""
+    ``block_size`` (the superblock's): a regular file naming more blocks than
+    its size fills at that block size is refused as its row is reached
+    (:func:`check_block_count`). Returns None when the payload is not a plain
+    map: the caller then decodes it whole (``from_wire`` explains what is wrong)."""
     if not payload or payload[0] not in range(0x80, 0x90) and payload[0] not in (0xde, 0xdf):
         return None
     unpacker = _unpacker(payload)
@@ -78,48 +82,85 @@ def decode_streaming(payload, first_ino, check_row=None):
         raise FormatError("checkpoint payload does not decode: extra data after the map")
     state = CheckpointState.from_wire(wire, first_ino)
     if blocks is not None:
-        check_block_rows(blocks)
-        state.blocks = blocks
+        state.blocks = blocks               # checked as decoded (_block_rows)
     if rows_at is not None:
-        state.inodes = InodeRowStream(payload, rows_at, check_row)
+        state.inodes = InodeRowStream(payload, rows_at, block_size)
     return state
 
 
 def _block_rows(unpacker):
-    """The BlockRows of the ``blocks`` array at the unpacker's position, decoded one row at a time."""
-    rows = []
+    """The BlockRows of the ``blocks`` array at the unpacker's position, decoded and checked one at a time.
+
+    Refused as :func:`check_block_rows` refuses them, row for row; a row of
+    the usual shape is checked from its fields, before it is a BlockRow."""
+    rows, keys = [], set()
+    append, add_key = rows.append, keys.add
     for _ in range(unpacker.read_array_header()):
+        wire = unpacker.unpack()
+        if type(wire) is list and len(wire) == 4:
+            k, off, length, refs = wire
+            if block_fields_are_valid(k, off, length, refs, 0) and k not in keys:
+                add_key(k)
+                append(BlockRow(k, off, length, refs))
+                continue
         try:
-            rows.append(BlockRow(*unpacker.unpack()))
+            row = BlockRow(*wire)
         except (TypeError, ValueError) as exc:
             raise FormatError(f"checkpoint payload is malformed: {exc}") from None
+        check_block_rows((row,), keys)
+        append(row)
     return rows
 
 
 class InodeRowStream:
-    """The checkpoint's inode rows, decoded and validated as they are iterated (once)."""
+    """The checkpoint's inode rows, decoded and validated as they are iterated (once).
 
-    def __init__(self, payload, start, check_row=None):
-        self._payload, self._start, self._check_row = payload, start, check_row
+    Iterating gives InodeRows; :meth:`fields` gives each row's fields as the
+    wire list ``[ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime,
+    payload]`` (InodeRow's field order), validated the same, without making
+    an InodeRow: mount's load takes those (0.8 us a row less, a million times).
+    """
+
+    def __init__(self, payload, start, block_size=None):
+        self._payload, self._start, self._block_size = payload, start, block_size
 
     def __iter__(self):
+        for fields in self.fields():
+            yield InodeRow(*fields)
+
+    def fields(self):
+        """The rows' validated field lists (see the class doc), once."""
         payload, self._payload = self._payload, None        # iterated once; the bytes go after
         if payload is None:
             raise RuntimeError("a checkpoint's streamed inode rows can be read only once")
         unpacker = _unpacker(payload, self._start)
-        check_row = self._check_row
+        block_size = self._block_size
         try:
             count = unpacker.read_array_header()
         except Exception as exc:    # noqa: BLE001
             raise FormatError(f"checkpoint payload does not decode: {exc}") from None
         for _ in range(count):
             try:
-                row = InodeRow(*unpacker.unpack())
-            except (TypeError, ValueError) as exc:
-                raise FormatError(f"checkpoint payload is malformed: {exc}") from None
+                fields = unpacker.unpack()
             except Exception as exc:    # noqa: BLE001
                 raise FormatError(f"checkpoint payload does not decode: {exc}") from None
-            _inode_row(row)
-            if check_row is not None:
-                check_row(row)
-            yield row
+            if type(fields) is not list or len(fields) != ROW_FIELDS or not inode_fields_are_valid(*fields):
+                _refuse(fields)
+            if block_size is not None and fields[1] & 0o170000 == S_IFREG:
+                size, keys = fields[9]
+                if len(keys) > -(-size // block_size):
+                    check_block_count(block_size, size, len(keys), f"inode {fields[0]}")
+            yield fields
+
+
+ROW_FIELDS = len(dataclasses.fields(InodeRow))
+
+
+def _refuse(fields):
+    """Raise FormatError for a row that failed the fast check, with the explaining check's message."""
+    try:
+        row = InodeRow(*fields)
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"checkpoint payload is malformed: {exc}") from None
+    _inode_row(row)
+    raise FormatError(f"checkpoint inode {row.ino!r:.20} is invalid")      # not reached: _inode_row raised

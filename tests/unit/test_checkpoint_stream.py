@@ -26,12 +26,11 @@ def whole(payload):
 
 def test_a_streamed_state_is_the_whole_decode_row_for_row():
     payload = msgpack.packb(wire())
-    checked = []
-    state = decode_streaming(payload, 16, checked.append)
+    state = decode_streaming(payload, 16, block_size=4096)
     assert isinstance(state.inodes, InodeRowStream)
     expect = whole(payload)
     rows = list(state.inodes)
-    assert rows == expect.inodes and checked == rows
+    assert rows == expect.inodes
     assert (state.next_ino, state.blocks, state.free, state.pinned) == \
         (expect.next_ino, expect.blocks, expect.free, expect.pinned)
     with pytest.raises(RuntimeError, match="only once"):
@@ -100,3 +99,25 @@ def test_a_block_key_twice_is_refused_and_good_blocks_are_the_whole_decode():
     w["blocks"].append(list(w["blocks"][0]))
     with pytest.raises(FormatError, match="twice"):
         decode_streaming(msgpack.packb(w), 16)
+
+
+def test_the_field_lists_are_the_rows_in_wire_order():
+    payload = msgpack.packb(wire())
+    fields = list(decode_streaming(payload, 16).inodes.fields())
+    assert [schema.InodeRow(*f) for f in fields] == whole(payload).inodes
+    assert all(type(f) is list and len(f) == 10 for f in fields)
+
+
+@pytest.mark.parametrize("size, keys, refused", [(0, [KEY], True), (4096, [KEY], False), (4097, [KEY, KEY], False),
+                                                 (4096, [KEY, None], True), (0, [], False)])
+def test_a_file_naming_more_blocks_than_its_size_fills_is_refused_when_reached(size, keys, refused):
+    w = wire(2)
+    w["inodes"][2][9] = [size, keys]
+    rows = iter(decode_streaming(msgpack.packb(w), 16, block_size=4096).inodes)
+    next(rows), next(rows)
+    if refused:
+        with pytest.raises(FormatError, match=f"inode 17 names {len(keys)} blocks, more than its {size} bytes"):
+            next(rows)
+    else:
+        assert next(rows).payload == [size, keys]
+    assert list(decode_streaming(msgpack.packb(w), 16).inodes)[2].payload == [size, keys]   # no block size: not checked

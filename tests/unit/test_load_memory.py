@@ -87,3 +87,19 @@ def test_shared_ints_are_bounded_and_only_ints(monkeypatch):
     assert len(sharedints._seen) == sharedints.LIMIT          # full: later values are returned as they are
     fresh = int(str(10 ** 14))
     assert sharedints.shared(fresh) is fresh
+
+
+def test_a_loaded_file_has_every_slot_of_an_inode_made_the_long_way():
+    """Inode.loaded_file (mount's constructor, one per file) sets what __init__ and load's fields set."""
+    from kvfs.namespace.inodes import Inode
+    key = bytes(range(16))
+    for committed, size, rdev in (([key], 4096, 0), ([key, None], 2 << 20, 0), ([], 0, 0), ([None], 7, 5)):
+        slow = Inode(40, 0o100644, 1000, 1001, rdev)
+        slow.nlink, slow.atime, slow.mtime, slow.ctime = 3, 5, 6, 7
+        slow.committed, slow.size_committed = committed, size
+        fast = Inode.loaded_file(40, 0o100644, 1000, 1001, 3, 5, 6, 7, committed, size)
+        if rdev:
+            fast.rdev = rdev
+        for slot in Inode.__slots__:
+            assert getattr(fast, slot) == getattr(slow, slot), (slot, committed)
+        assert fast.committed == tuple(committed) and fast.is_file and fast.names == ()

@@ -293,6 +293,24 @@ def test_readdir_cookies_survive_removals_and_additions():
     assert list(d.items_after(0))[-1] == (b"e101", 7, d.cookie_of(b"e101"))
 
 
+def test_entries_added_all_at_once_are_the_entries_added_one_by_one():
+    """DirEntries.add_all (mount, one call a directory) makes what add makes, wide inode numbers too."""
+    entries = [(b"e%03d" % i, 1000 + i) for i in range(50)] + [(b"wide", 1 << 40)]
+    one_by_one, at_once = DirEntries(), DirEntries()
+    for d in (one_by_one, at_once):
+        d.add(b"first", 20)
+    for name, ino in entries:
+        one_by_one.add(name, ino)
+    at_once.add_all(entries)
+    for d in (one_by_one, at_once):
+        d.add(b"last", 21)
+    assert at_once.by_name == one_by_one.by_name
+    assert (at_once._cookies, at_once._order, at_once._next) == \
+        (one_by_one._cookies, one_by_one._order, one_by_one._next)
+    assert list(at_once.items_after(0)) == list(one_by_one.items_after(0))
+    assert at_once.get(b"wide") == 1 << 40 and len(at_once) == 53
+
+
 def test_entries_pack_narrow_while_they_fit_and_wide_past_it():
     """An entry is one int: 32 bytes while the inode number fits 32 bits and the
     cookie 28; past either, the wide form, with the same answers."""
