@@ -114,7 +114,11 @@ class Daemon:
         stats["gc_frozen_objects"] = gc_stats.frozen_objects
         stats["gc_frozen_counted_s_ago"] = gc_stats.frozen_counted_s_ago
         stats["control_commands_running"] = self._commands_running
-        stats["kernel_read_requests"] = self._ops.kernel_reads if self._ops is not None else 0
+        ops = self._ops
+        stats["kernel_read_requests"] = ops.kernel_reads if ops is not None else 0
+        stats["kernel_lookup_requests"] = ops.kernel_lookups if ops is not None else 0
+        stats["kernel_getattr_requests"] = ops.kernel_getattrs if ops is not None else 0
+        stats["kernel_entry_invalidations"] = ops.entry_invalidations if ops is not None else 0
         for kernel_pages in (self._page_dropper, self._page_filler, self._request_wait):
             if kernel_pages is not None:
                 stats.update(dataclasses.asdict(kernel_pages.statistics()))
@@ -185,6 +189,7 @@ class Daemon:
             fuse_options.add("allow_other")
         ops = self._ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
         pyfuse3.init(ops, self.mountpoint, fuse_options)
+        self.fs.ns.evictor.entry_removed = ops.entry_removed       # eviction tells the kernel
         ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
         if self._page_dropper is not None and self.options.request_poll:
             self._request_wait = RequestWait.install(self._page_dropper.fd)

@@ -26,8 +26,18 @@ assert ROOT_INO == pyfuse3.ROOT_INODE
 STATS_XATTR = b"user.kvfs.stats"
 CONTROL_XATTR = b"user.kvfs.control"
 RESULT_XATTR = b"user.kvfs.result"     # what the caller's last control command answered
-ENTRY_TIMEOUT = 1.0
-ATTR_TIMEOUT = 1.0
+# How long the kernel may answer path walks and stat() from its own caches.
+# Only this mount changes the namespace (multi-mount protection keeps other
+# hosts out), and every change made through the kernel updates or drops what it
+# caches: creates and unlinks replace entries (negative ones too), writes and
+# truncations invalidate the attributes they change. The one change made behind
+# its back is eviction, which drops the evicted names from the kernel itself
+# (KvfsOperations.entry_removed). So the kernel may keep entries and attributes
+# as long as ext4 keeps its own; an hour bounds what an unforeseen change could
+# leave stale. With 1 s here, every stat() of a file not touched in the last
+# second cost a GETATTR on the daemon's one loop thread (issue 10's stat rate).
+ENTRY_TIMEOUT = 3600.0
+ATTR_TIMEOUT = 3600.0
 # Attributes that hold back a page-cache writer's mtime (kvfs/namespace/pagecache.py)
 # go stale this soon, so a stat() that soon after the close shows the real mtime;
 # not 0, because with auto_inval_data every read() of a file with stale attributes
@@ -84,6 +94,9 @@ class KvfsOperations(pyfuse3.Operations):
         self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/pagedrops.py)
         self.page_filler = None          # a PageFiller once mounted (kvfs/pagefill.py)
         self.kernel_reads = 0            # READ requests from the kernel (page fills are not among them)
+        self.kernel_lookups = 0          # LOOKUP and GETATTR requests: what the kernel could not answer
+        self.kernel_getattrs = 0         # from its caches (see ENTRY_TIMEOUT)
+        self.entry_invalidations = 0     # names dropped from the kernel's dentry cache (entry_removed)
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
@@ -124,6 +137,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
+        self.kernel_lookups += 1
         if parent_inode == BY_HASH_INO:
             return self._entry(await self.ns.lookup_view(name, self._view_caller(ctx)))
         try:
@@ -147,7 +161,19 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_errno_mapped
     async def getattr(self, inode, ctx=None):
+        self.kernel_getattrs += 1
         return self._entry(inode)
+
+    def entry_removed(self, parent_inode, name, inode):
+        """A name was removed behind the kernel's back (eviction): drop it from the kernel's dentry cache.
+
+        Without this the kernel would answer stat() and open() of the name from
+        its cache for up to ENTRY_TIMEOUT. The drop runs in pyfuse3's notify
+        thread: the kernel takes the directory's lock for it, and a request
+        holding that lock may be waiting for this very loop.
+        """
+        self.entry_invalidations += 1
+        pyfuse3.invalidate_entry_async(parent_inode, name, deleted=inode, ignore_enoent=True)
 
     @_errno_mapped
     async def setattr(self, inode, attr, fields, fh, ctx):

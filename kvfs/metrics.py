@@ -94,6 +94,12 @@ METRICS = {
                                     "Of the late drops, those of a WRITE's partly written last page."),
     "kernel_read_requests": ("kvfs_kernel_read_requests_total", COUNTER,
                              "READ requests from the kernel (page-cache misses and O_DIRECT reads)."),
+    "kernel_lookup_requests": ("kvfs_kernel_lookup_requests_total", COUNTER,
+                               "LOOKUP requests: path walks the kernel's dentry cache did not answer."),
+    "kernel_getattr_requests": ("kvfs_kernel_getattr_requests_total", COUNTER,
+                                "GETATTR requests: attributes the kernel's cache did not answer."),
+    "kernel_entry_invalidations": ("kvfs_kernel_entry_invalidations_total", COUNTER,
+                                   "Names dropped from the kernel's dentry cache because eviction removed them."),
     "page_fills": ("kvfs_page_fills_total", COUNTER,
                    "Cold opens whose file was stored into the kernel's page cache before the reply "
                    "(kvfs/pagefill.py)."),

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,6 +112,40 @@ def test_pins_survive_remounts_and_unpinned_files_go(kvfs_factory):
     fs.admin("unpin", fs.mnt / "c1")
     fs.admin("evict", fs.mnt, fs.mnt / "c1")
     assert sorted(os.listdir(fs.mnt)) == [".kvfs"]
+
+
+def test_the_kernel_answers_stats_itself_and_forgets_an_evicted_name(kvfs_factory):
+    """The kernel keeps entries and attributes for an hour (kvfs/fuseops.py ENTRY_TIMEOUT), so
+    repeated stats never reach the daemon; eviction, the one change made behind the kernel's
+    back, drops the names it removes from the kernel's cache, so they vanish at once."""
+    fs = kvfs_factory(size="1G")
+    fs.mkfs()
+    fs.mount()
+    names = [fs.mnt / f"c{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        write_chunk(name, i)
+    fs.flush()
+    for name in names:
+        assert os.stat(name).st_size == CHUNK
+    before = fs.stats()
+    time.sleep(1.5)                                 # past the 1 s the kernel used to keep them
+    for name in names:
+        assert os.stat(name).st_size == CHUNK and os.path.exists(name)
+    after = fs.stats()
+    for counter in ("kernel_lookup_requests", "kernel_getattr_requests"):
+        assert after[counter] == before[counter], counter
+    fs.admin("evict", fs.mnt, names[0])
+    assert fs.stats()["kernel_entry_invalidations"] == 1
+    # The drop runs in pyfuse3's notify thread once the evict command's request is done.
+    deadline = time.monotonic() + 30
+    while os.path.exists(names[0]):
+        assert time.monotonic() < deadline, "the evicted name is still in the kernel's cache"
+        time.sleep(0.05)
+    with pytest.raises(FileNotFoundError):
+        os.stat(names[0])
+    assert os.stat(names[1]).st_size == CHUNK and sorted(os.listdir(fs.mnt)) == [".kvfs", "c1", "c2"]
+    fs.umount()
+    fs.assert_fsck_clean()
 
 
 def test_bad_eviction_input_gets_one_line(kvfs_factory, tmp_path, shared_kvfs):

@@ -13,8 +13,8 @@ time; the CPU figure beside it is whole-machine busy time from /proc/stat):
    by 4 writer threads; then made durable (kvfs-admin flush / syncfs).
 2. stat of every file (``threads`` threads); each size is checked.
 3. kvfs only: the longest FUSE request latency while a checkpoint runs.  A
-   probe thread stats a new, never-used name in a loop (kvfs answers a repeated
-   stat of one file from the kernel's attribute cache for a second, so a fresh
+   probe thread stats a new, never-used name in a loop (the kernel answers a
+   repeated stat of one name from its own caches, for an hour on kvfs, so a fresh
    name is what makes every probe a real FUSE request) while the benchmark runs
    ``kvfs-admin checkpoint``; the probes overlapping the checkpoint give the max.
 4. cold lookups: after dropping caches (kvfs-admin drop-caches, sync, echo 3 >

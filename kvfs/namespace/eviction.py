@@ -52,6 +52,9 @@ class Evictor:
         self.high, self.low = high_watermark, low_watermark
         self.evictions = self.evicted_bytes = 0
         self.tree.on_drop = self.forget
+        # Called with (parent, name, ino) for each name eviction removes: the FUSE layer
+        # drops it from the kernel's dentry cache (kvfs/fuseops.py). None: not mounted.
+        self.entry_removed = None
 
     # -- what the policy hears -----------------------------------------------
     def load(self):
@@ -127,6 +130,8 @@ class Evictor:
             inode.evicted = True
             for parent, name in sorted(names_of(inode)):
                 self.ns._emit(schema.Remove(parent, name, now))
+                if self.entry_removed is not None:
+                    self.entry_removed(parent, name, inode.ino)
             crashpoint("evict-file-removed")
             count += 1
             nbytes += size
