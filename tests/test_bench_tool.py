@@ -263,7 +263,7 @@ def test_softpath_cold_check_catches_a_warm_read(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-META_RATES = ["create_write_close", "stat", "cold_lookup_hit", "cold_lookup_miss", "unlink",
+META_RATES = ["create_write_close", "stat", "stat_again", "cold_lookup_hit", "cold_lookup_miss", "unlink",
               "list_create", "list_cold", "list_warm"]
 
 
@@ -282,7 +282,7 @@ def test_meta_reports_every_figure_and_tears_down(tmp_path):
             assert fig["seconds"] > 0 and fig["per_s"] > 0, (side, name)
             assert fig["per_s"] == pytest.approx(fig["count"] / fig["seconds"])
             assert fig["cpu_seconds"] >= 0
-        assert result["stat"]["bytes_counted"] == files * size
+        assert result["stat"]["bytes_counted"] == result["stat_again"]["bytes_counted"] == files * size
         assert result["cold_lookup_hit"]["found"] == files
         assert result["cold_lookup_miss"]["found"] == 0
         assert result["files_after_remount"] == files
@@ -291,6 +291,7 @@ def test_meta_reports_every_figure_and_tears_down(tmp_path):
     assert out["ext4"]["cold_lookup_hit"]["device_bytes_read"] >= 0
 
     kvfs = out["kvfs"]
+    assert kvfs["stat_again"]["daemon_requests"] == 0, "the kernel answers repeated stats itself"
     memory = kvfs["memory"]
     assert memory["after_remount"]["pid"] != memory["before_umount"]["pid"], "remount starts a new daemon"
     for point in ("at_start", "after_writes", "before_umount", "after_remount", "at_end"):
