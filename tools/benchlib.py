@@ -321,6 +321,9 @@ def kvfs_tool(module, *args, timeout=600):
     """Run ``python -m kvfs.cli.<module>`` with this repo importable."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # ``-m`` puts the working directory first on sys.path: run from another kvfs
+    # checkout, the tools and the daemon would be that checkout's, not this one's.
+    env["PYTHONSAFEPATH"] = "1"
     cmd = [sys.executable, "-m", f"kvfs.cli.{module}", *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
