@@ -106,13 +106,11 @@ class Tree:
         source = _row_fields(rows, drop=consume) if isinstance(rows, list) else rows.fields()
         self._rows_miss_blocks = False  # set by _load_file
         inodes, load_file, load_inode = self.inodes, self._load_file, self._load_inode
-        for fields in source:
-            if fields[0] in inodes:
-                raise FormatError(f"checkpoint holds inode {fields[0]} twice")
-            if fields[1] & 0o170000 == S_IFREG:
-                load_file(*fields)
-            else:
-                load_inode(*fields)
+        for ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload in source:
+            if ino in inodes:
+                raise FormatError(f"checkpoint holds inode {ino} twice")
+            load = load_file if mode & 0o170000 == S_IFREG else load_inode
+            load(ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload)
         for ino in state.provisional:
             if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional
                 self.inodes[ino].provisional = True
@@ -480,7 +478,6 @@ class Tree:
 def _row_fields(rows, drop):
     """Each InodeRow of a list as its fields in wire order; with ``drop`` the list lets go of each row."""
     for i, row in enumerate(rows):
-        yield (row.ino, row.mode, row.uid, row.gid, row.nlink, row.rdev, row.atime, row.mtime, row.ctime,
-               row.payload)
+        yield row.to_wire()
         if drop:
             rows[i] = None

@@ -148,8 +148,7 @@ class InodeRowStream:
                 _refuse(fields)
             if block_size is not None and fields[1] & 0o170000 == S_IFREG:
                 size, keys = fields[9]
-                if len(keys) > -(-size // block_size):
-                    check_block_count(block_size, size, len(keys), f"inode {fields[0]}")
+                check_block_count(block_size, size, len(keys), fields[0])
             yield fields
 
 

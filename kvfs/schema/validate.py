@@ -75,15 +75,15 @@ def extent_length(value, what):
         _fail(what, value)
 
 
-def check_block_count(block_size, size, count, what):
-    """A file of ``size`` bytes names at most ceil(size / block_size) blocks.
+def check_block_count(block_size, size, count, ino):
+    """A file of ``size`` bytes names at most ceil(size / block_size) blocks (``ino``: for the message).
 
     This is what catches a superblock whose block size was changed (a crafted or
     re-checksummed sector): every file of more than one block would then be read
     with the wrong block boundaries, which would serve wrong bytes.
     """
     if count > -(-size // block_size):
-        raise FormatError(f"{what} names {count} blocks, more than its {size} bytes fill at the block "
+        raise FormatError(f"inode {ino} names {count} blocks, more than its {size} bytes fill at the block "
                           f"size of {block_size}: the superblock or the checkpoint is corrupt")
 
 
@@ -219,15 +219,13 @@ def _inode_row(row):
     it accepts exactly what :func:`_explain_inode_row` accepts (the unit tests
     compare the two on valid and on broken rows).
     """
-    if not inode_fields_are_valid(row.ino, row.mode, row.uid, row.gid, row.nlink, row.rdev,
-                                  row.atime, row.mtime, row.ctime, row.payload):
+    if not _inode_row_is_valid(row):
         _explain_inode_row(row)
         raise FormatError(f"checkpoint inode {row.ino!r:.20} is invalid")   # not reached: explained above
 
 
 def _inode_row_is_valid(row):
-    return inode_fields_are_valid(row.ino, row.mode, row.uid, row.gid, row.nlink, row.rdev,
-                                  row.atime, row.mtime, row.ctime, row.payload)
+    return inode_fields_are_valid(*row.to_wire())
 
 
 def inode_fields_are_valid(n, m, uid, gid, nlink, rdev, at, mt, ct, payload):

@@ -92,7 +92,7 @@ class Loaded:
             try:
                 record = schema.decode_record(wire)
                 if isinstance(record, schema.Content):
-                    check_block_count(self.sb.block_size, record.size, len(record.blocks), f"inode {record.ino}")
+                    check_block_count(self.sb.block_size, record.size, len(record.blocks), record.ino)
                     for block in record.blocks:
                         if block is not None:
                             check_extent(self.sb, block.off, block.length, "a content record's block")
@@ -156,8 +156,8 @@ class Loaded:
             check_extents(self.sb, self.state)
 
     def _check_row(self, row):
-        if row.mode & 0o170000 == 0o100000 and len(row.keys) > -(-row.size // self.sb.block_size):
-            check_block_count(self.sb.block_size, row.size, len(row.keys), f"inode {row.ino}")
+        if row.mode & 0o170000 == 0o100000:
+            check_block_count(self.sb.block_size, row.size, len(row.keys), row.ino)
 
     def _journal_reader(self):
         """``read(cursor, size)``: journal bytes, through a window of JOURNAL_READ_WINDOW bytes."""
