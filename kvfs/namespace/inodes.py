@@ -191,6 +191,11 @@ def members(current):
 # (the directory's own int): no tuple, which was 56 bytes a file. Two or more
 # are a set of (directory ino, name). Directories keep None (they have one
 # name, found through ``parent``).
+def _shared_values(column):
+    """{value: its shared int} for each distinct value of ``column`` (kvfs/sharedints.py)."""
+    return {value: shared(value) for value in set(column)}
+
+
 def add_name(inode, entry):
     current = inode.names
     if not current:
@@ -313,6 +318,34 @@ class Inode:
         inode.cached_version = inode.filled_version = -1
         inode.names = ()
         return inode
+
+    @classmethod
+    def loaded_files(cls, inos, modes, uids, gids, nlinks, atimes, mtimes, ctimes, committed, sizes):
+        """:meth:`loaded_file` for each row of a batch, given as columns; a list of Inodes.
+
+        ``committed``: each file's block list as ``_committed`` keeps it (a
+        one-block file's bare key, else a tuple). Mount's batches of files come
+        here (kvfs/namespace/treeload.py): the same slots set the same way, with
+        the shared ints looked up once per distinct value, not once per file.
+        """
+        modes, uids, gids, sizes = (map(_shared_values(column).__getitem__, column)
+                                    for column in (modes, uids, gids, sizes))
+        made, new = [], _new_object
+        append = made.append
+        for ino, mode, uid, gid, nlink, atime, mtime, ctime, keys, size in zip(
+                inos, modes, uids, gids, nlinks, atimes, mtimes, ctimes, committed, sizes):
+            inode = new(cls)
+            inode._rare = inode.data = inode.content_key = inode.kernel_mtime = inode.name_dir = None
+            inode.ino, inode.mode, inode.uid, inode.gid, inode.nlink = ino, mode, uid, gid, nlink
+            # Equal timestamps share one int object, as loaded_file's caller makes them.
+            inode.atime, inode.mtime = (mtime if atime == mtime else atime), mtime
+            inode.ctime = mtime if ctime == mtime else ctime
+            inode._committed, inode.size_committed = keys, size
+            inode.content_version = inode.lookups = 0
+            inode.cached_version = inode.filled_version = -1
+            inode.names = ()
+            append(inode)
+        return made
 
     # A file's durable block list, (key | None, ...). A one-block file keeps its
     # key bare: a 1-tuple was 48 bytes a file, and most small files are one block.

@@ -24,7 +24,6 @@ namespace without a cache.
 """
 import logging
 import stat
-from stat import S_IFREG
 from typing import Protocol
 
 from .. import schema
@@ -34,6 +33,7 @@ from ..sharedints import shared
 from .contentindex import ContentIndex
 from .cut import TreeCut
 from .idle import build_live_data
+from .treeload import load_rows
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
                      Inode, add_name, drop_name)
 
@@ -101,16 +101,8 @@ class Tree:
         """
         assert self._cut is None and not self.inodes and not self.content.built, "load builds a new tree"
         self.next_ino = state.next_ino
-        rows = state.inodes             # a list, or a stream decoded as it goes (kvfs/schema/stream.py)
-        # Each row as its fields in wire order: the stream yields them so, with no InodeRow made.
-        source = _row_fields(rows, drop=consume) if isinstance(rows, list) else rows.fields()
-        self._rows_miss_blocks = False  # set by _load_file
-        inodes, load_file, load_inode = self.inodes, self._load_file, self._load_inode
-        for ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload in source:
-            if ino in inodes:
-                raise FormatError(f"checkpoint holds inode {ino} twice")
-            load = load_file if mode & 0o170000 == S_IFREG else load_inode
-            load(ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload)
+        # state.inodes: a list, or a stream decoded as it goes (kvfs/schema/stream.py)
+        rows_miss_blocks = load_rows(self, state.inodes, consume=consume)
         for ino in state.provisional:
             if ino in self.inodes and self.inodes[ino].is_file:     # only files can be provisional
                 self.inodes[ino].provisional = True
@@ -137,7 +129,7 @@ class Tree:
                 skipped += 1
         self._drop_provisional()
         self.pinned &= self.inodes.keys()
-        self._finish_load(check_keys=replayed or self._rows_miss_blocks)
+        self._finish_load(check_keys=replayed or rows_miss_blocks)
         return skipped
 
     def _finish_load(self, check_keys):
@@ -171,7 +163,7 @@ class Tree:
                 committed_bytes += inode.size_committed
                 if not check_keys:
                     continue
-                # The index's key objects (as _load_inode): one key object per block.
+                # The index's key objects (as treeload's _load_file): one key object per block.
                 # Its live content stays unbuilt until an open (namespace/idle.py),
                 # but for a file whose blocks are missing: that one fails its reads.
                 committed = inode.committed
@@ -192,42 +184,6 @@ class Tree:
         files = [i for i in self.inodes.values() if i.is_file]
         self.file_count, self.committed_bytes = len(files), sum(i.size_committed for i in files)
         self.dir_count = sum(1 for i in self.inodes.values() if i.is_dir)
-
-    def _load_file(self, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload):
-        """A regular file's checkpoint row (validated: kvfs/schema/validate.py), as an idle Inode."""
-        # With the index's key objects: a decoded copy freed now is reused by the
-        # next row's (a million freed at the end of the load left 64 MB of empty
-        # allocator pools). None: a hole, or a block the index lacks.
-        size, keys = payload
-        present = self.blocks.stored_keys(keys)
-        if present != keys:
-            self._rows_miss_blocks = True
-            present = [p or k for p, k in zip(present, keys)]
-        # Equal timestamps share one int object (48 bytes each): a file
-        # written once has mtime == ctime, and often atime too.
-        if atime == mtime:
-            atime = mtime
-        if ctime == mtime:
-            ctime = mtime
-        inode = Inode.loaded_file(ino, mode, uid, gid, nlink, atime, mtime, ctime, present, size)
-        if rdev:
-            inode.rdev = rdev
-        self.inodes[ino] = inode
-
-    def _load_inode(self, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload):
-        """A checkpoint row of any other type (directory, symlink, node), as an Inode."""
-        # msgpack decodes every int above 256 into an object of its own: modes
-        # and owners (Inode shares them) repeat (kvfs/sharedints.py).
-        inode = Inode(ino, mode, uid, gid, rdev)
-        atime = mtime if atime == mtime else atime
-        ctime = mtime if ctime == mtime else ctime
-        inode.nlink, inode.atime, inode.mtime, inode.ctime = nlink, atime, mtime, ctime
-        if stat.S_ISDIR(mode):
-            inode.parent = payload[0]
-            inode.entries.add_all(payload[1])      # validated: distinct names (kvfs/schema/validate.py)
-        elif stat.S_ISLNK(mode):
-            inode.target = payload
-        self.inodes[ino] = inode
 
     def _drop_provisional(self):
         """Remove files whose content was never recorded: they were in flight at a crash."""
@@ -474,10 +430,3 @@ class Tree:
         """Estimated (upper bound) checkpoint size of the durable state."""
         return self._meta_bytes + INDEX_BLOCK_COST * self.blocks.block_count() + 4096
 
-
-def _row_fields(rows, drop):
-    """Each InodeRow of a list as its fields in wire order; with ``drop`` the list lets go of each row."""
-    for i, row in enumerate(rows):
-        yield row.to_wire()
-        if drop:
-            rows[i] = None

@@ -51,11 +51,18 @@ def test_a_bad_row_late_in_the_array_is_refused_when_reached(bad_row):
     payload = msgpack.packb(w)
     with pytest.raises(FormatError):
         whole(payload)
-    rows = iter(decode_streaming(payload, 16).inodes)
+    rows = _one_row_a_list(decode_streaming(payload, 16).inodes)
     for _ in range(6):
         next(rows)                                  # the good rows come first
     with pytest.raises(FormatError):
         next(rows)
+    with pytest.raises(FormatError):                # in lists of the default size: refused with its list
+        next(decode_streaming(payload, 16).inodes.fields())
+
+
+def _one_row_a_list(stream):
+    """The rows' fields, each list of the stream a row long, so a refusal comes when its row is reached."""
+    return (fields for rows, _ in stream.batches(size=1) for fields in rows)
 
 
 def test_what_is_not_a_plain_map_is_left_to_the_whole_decode():
@@ -109,15 +116,17 @@ def test_the_field_lists_are_the_rows_in_wire_order():
 
 
 @pytest.mark.parametrize("size, keys, refused", [(0, [KEY], True), (4096, [KEY], False), (4097, [KEY, KEY], False),
-                                                 (4096, [KEY, None], True), (0, [], False)])
+                                                 (4096, [KEY, None], True), (0, [], False), (1, [KEY], False),
+                                                 (0, [None], True), (8193, [KEY, None, KEY], False),
+                                                 (8192, [KEY, None, KEY], True)])
 def test_a_file_naming_more_blocks_than_its_size_fills_is_refused_when_reached(size, keys, refused):
     w = wire(2)
     w["inodes"][2][9] = [size, keys]
-    rows = iter(decode_streaming(msgpack.packb(w), 16, block_size=4096).inodes)
+    rows = _one_row_a_list(decode_streaming(msgpack.packb(w), 16, block_size=4096).inodes)
     next(rows), next(rows)
     if refused:
         with pytest.raises(FormatError, match=f"inode 17 names {len(keys)} blocks, more than its {size} bytes"):
             next(rows)
     else:
-        assert next(rows).payload == [size, keys]
+        assert next(rows)[9] == [size, keys]
     assert list(decode_streaming(msgpack.packb(w), 16).inodes)[2].payload == [size, keys]   # no block size: not checked
