@@ -135,12 +135,16 @@ class InodeRowStream:
             yield from rows
 
     def batches(self, size=BATCH_ROWS):
-        """The rows' validated field lists in lists of up to ``size`` consecutive rows, once.
+        """The rows' validated field lists, in their order, as ``(rows, only_files)`` pairs, once.
 
-        Each comes as ``(rows, only_files)``: ``only_files`` says that every
-        row of the list is a regular file's, which mount then makes into Inodes
-        a list at a time (kvfs/namespace/treeload.py). A bad row is refused as
-        its list is decoded, before the rows ahead of it in that list are yielded.
+        Consecutive regular files come in lists of up to ``size`` (``only_files``
+        True), which mount makes into Inodes a list at a time
+        (kvfs/namespace/treeload.py); every other row comes alone. A directory's
+        row is made at once: decoding several directories' entries (a KV store
+        directory holds up to millions) before making them left their names
+        scattered among freed pools, 60 bytes of RSS a file at a million files.
+        A bad row is refused when it is decoded, before the files ahead of it in
+        its list are yielded.
         """
         payload, self._payload = self._payload, None        # iterated once; the bytes go after
         if payload is None:
@@ -151,28 +155,36 @@ class InodeRowStream:
             left = unpacker.read_array_header()
         except Exception as exc:    # noqa: BLE001
             raise FormatError(f"checkpoint payload does not decode: {exc}") from None
-        while left:
-            rows, files = [], 0
-            append = rows.append
+        files = []
+        append = files.append
+        for _ in range(left):
+            try:
+                fields = unpack()
+            except Exception as exc:    # noqa: BLE001
+                raise FormatError(f"checkpoint payload does not decode: {exc}") from None
             # Each row checked as it is decoded, while its objects are in the
             # CPU's cache: decoding a list of rows first and checking them after
             # (even column by column, in C-level passes) was slower.
-            for _ in range(min(size, left)):
-                try:
-                    fields = unpack()
-                except Exception as exc:    # noqa: BLE001
-                    raise FormatError(f"checkpoint payload does not decode: {exc}") from None
-                if type(fields) is not list or len(fields) != ROW_FIELDS or not inode_fields_are_valid(*fields):
-                    _refuse(fields)
-                if fields[1] & 0o170000 == S_IFREG:
-                    files += 1
-                    if block_size is not None:
-                        size_, keys = fields[9]
-                        if len(keys) > 1 or size_ == 0:     # else: one block fills any size above 0
-                            check_block_count(block_size, size_, len(keys), fields[0])
-                append(fields)
-            left -= len(rows)
-            yield rows, files == len(rows)
+            if type(fields) is not list or len(fields) != ROW_FIELDS or not inode_fields_are_valid(*fields):
+                _refuse(fields)
+            if fields[1] & 0o170000 != S_IFREG:
+                if files:
+                    yield files, True
+                    files = []
+                    append = files.append
+                yield [fields], False
+                continue
+            if block_size is not None:
+                size_, keys = fields[9]
+                if len(keys) > 1 or size_ == 0:     # else: one block fills any size above 0
+                    check_block_count(block_size, size_, len(keys), fields[0])
+            append(fields)
+            if len(files) == size:
+                yield files, True
+                files = []
+                append = files.append
+        if files:
+            yield files, True
 
 
 ROW_FIELDS = len(dataclasses.fields(InodeRow))

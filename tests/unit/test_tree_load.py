@@ -118,8 +118,15 @@ def _wire(rows):
 def test_the_stream_says_which_lists_hold_files_only():
     stream = decode_streaming(msgpack.packb(_wire(5)), 16, block_size=4096).inodes
     batches = list(stream.batches(size=2))
-    assert [(len(rows), only_files) for rows, only_files in batches] == [(2, False), (2, True), (2, True)]
+    assert [(len(rows), only_files) for rows, only_files in batches] == [(1, False), (2, True), (2, True), (1, True)]
     assert [row[0] for rows, _ in batches for row in rows] == [1, 16, 17, 18, 19, 20]
+    w = _wire(3)
+    w["inodes"].insert(2, [30, 0o040700, 0, 0, 2, 0, 5, 5, 5, [1, []]])         # a directory among the files
+    w["inodes"][0][9][1].append([b"d", 30])
+    w["inodes"][0][4] = 3
+    batches = list(decode_streaming(msgpack.packb(w), 16).inodes.batches(size=8))
+    assert [[row[0] for row in rows] for rows, _ in batches] == [[1], [16], [30], [17, 18]]
+    assert [only_files for _, only_files in batches] == [False, True, False, True]
     with pytest.raises(RuntimeError, match="only once"):
         list(stream.batches())
 
@@ -128,10 +135,10 @@ def test_a_bad_row_is_refused_with_its_list_and_nothing_after_it_is_built():
     w = _wire(5)
     w["inodes"].insert(4, [19, 0o100644, 0, 0, 1, 0, 7, 8, 8, [4096, [b"short"]]])
     batches = decode_streaming(msgpack.packb(w), 16).inodes.batches(size=2)
-    assert [row[0] for row in next(batches)[0]] == [1, 16]
-    assert [row[0] for row in next(batches)[0]] == [17, 18]
+    assert [row[0] for row in next(batches)[0]] == [1]
+    assert [row[0] for row in next(batches)[0]] == [16, 17]
     with pytest.raises(FormatError, match="block key"):
-        next(batches)
+        next(batches)                               # 18 and the bad 19: 18 is not yielded
 
 
 def test_a_remounted_store_of_every_file_shape_reads_back(tmp_path):
