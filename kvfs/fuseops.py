@@ -53,19 +53,24 @@ def _errno_mapped(handler):
     async def wrapper(self, *args):
         try:
             return await handler(self, *args)
-        except pyfuse3.FUSEError:
-            raise
-        except InternalError:
-            log.exception("bug in %s", handler.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except KvfsError as exc:
-            if exc.errno in (errno.EIO, errno.EUCLEAN, errno.ENOSPC):
-                log.warning("%s: %s", handler.__name__, exc)
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except Exception:
-            log.exception("internal error in %s", handler.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as exc:
+            raise _fuse_error(handler.__name__, exc) from None
     return wrapper
+
+
+def _fuse_error(handler_name, exc):
+    """The FUSEError that ``exc``, raised by a handler, becomes (call it in the ``except`` block: it logs)."""
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc
+    if isinstance(exc, InternalError):
+        log.exception("bug in %s", handler_name)
+        return pyfuse3.FUSEError(errno.EIO)
+    if isinstance(exc, KvfsError):
+        if exc.errno in (errno.EIO, errno.EUCLEAN, errno.ENOSPC):
+            log.warning("%s: %s", handler_name, exc)
+        return pyfuse3.FUSEError(exc.errno)
+    log.exception("internal error in %s", handler_name)
+    return pyfuse3.FUSEError(errno.EIO)
 
 
 class KvfsOperations(pyfuse3.Operations):
@@ -85,6 +90,7 @@ class KvfsOperations(pyfuse3.Operations):
         if by_hash not in BY_HASH_POLICIES:
             raise ValueError(f"by_hash must be one of {BY_HASH_POLICIES}")
         self.ns = namespace
+        self.block_size = namespace.block_size       # fixed by mkfs
         self.control = control
         self.by_hash = by_hash
         self.owner_uid = os.getuid()
@@ -100,19 +106,20 @@ class KvfsOperations(pyfuse3.Operations):
 
     # -- attributes -----------------------------------------------------------
     def _entry(self, ino):
-        inode, view = self.ns.attr(ino)
-        e = pyfuse3.EntryAttributes()
+        # Every LOOKUP and GETATTR the kernel sends makes one: each Python call
+        # here costs about 1,000 instructions on the loop thread, so the
+        # namespace answers in one call and the block size is kept.
+        inode, view, mtime, held_back = self.ns.attr(ino)
+        e = pyfuse3.EntryAttributes()        # generation 0
         e.st_ino = ino
-        e.generation = 0
         e.entry_timeout = ENTRY_TIMEOUT
         e.attr_timeout = ATTR_TIMEOUT
         e.st_mode = inode.mode & ~0o222 if view else inode.mode
         e.st_nlink = inode.nlink
         e.st_uid, e.st_gid, e.st_rdev = inode.uid, inode.gid, inode.rdev
-        e.st_size = inode.size
-        e.st_blksize = self.ns.block_size
-        e.st_blocks = (inode.size + 511) // 512
-        mtime, held_back = self.ns.mtime_for_kernel(inode)
+        e.st_size = size = inode.size
+        e.st_blksize = self.block_size
+        e.st_blocks = (size + 511) // 512
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = inode.atime, mtime, inode.ctime
         if held_back:
             e.attr_timeout = HELD_BACK_ATTR_TIMEOUT
@@ -135,15 +142,19 @@ class KvfsOperations(pyfuse3.Operations):
             raise AccessDenied("/.kvfs/by-hash is root-only on this mount")
         return ctx.uid, ctx.gid
 
-    @_errno_mapped
+    # lookup and getattr map their errors themselves (_fuse_error), without
+    # _errno_mapped's second coroutine: they are most of the kernel's requests.
     async def lookup(self, parent_inode, name, ctx=None):
         self.kernel_lookups += 1
-        if parent_inode == BY_HASH_INO:
-            return self._entry(await self.ns.lookup_view(name, self._view_caller(ctx)))
         try:
-            return self._entry(self.ns.lookup(parent_inode, name))
-        except NotFound:
-            pass
+            if parent_inode == BY_HASH_INO:
+                return self._entry(await self.ns.lookup_view(name, self._view_caller(ctx)))
+            try:
+                return self._entry(self.ns.lookup(parent_inode, name))
+            except NotFound:
+                pass
+        except Exception as exc:
+            raise _fuse_error("lookup", exc) from None
         # Cache the miss in the kernel: engines probe for chunks that are not
         # there (os.path.exists), and only this mount changes the namespace, so
         # the kernel drops the negative entry itself when the name is created.
@@ -159,10 +170,12 @@ class KvfsOperations(pyfuse3.Operations):
             except Exception:
                 log.exception("forget(%d) failed", ino)
 
-    @_errno_mapped
     async def getattr(self, inode, ctx=None):
         self.kernel_getattrs += 1
-        return self._entry(inode)
+        try:
+            return self._entry(inode)
+        except Exception as exc:
+            raise _fuse_error("getattr", exc) from None
 
     def entry_removed(self, parent_inode, name, inode):
         """A name was removed behind the kernel's back (eviction): drop it from the kernel's dentry cache.

@@ -3,7 +3,7 @@
 It talks only to the block cache below it. Its parts:
 
 ``inodes``      Inode, DirEntries, ViewInode, reserved inode numbers, metadata costs
-``tree``        the durable tree: records applied (live and at replay), load, snapshot
+``tree``        the durable tree: records applied (live and at replay), load (``treeload``), snapshot
 ``view``        the read-only ``/.kvfs/by-hash`` view
 ``durability``  sealing files, commits and checkpoints, background upkeep
 ``truncation``  an O_TRUNC open under readers
@@ -78,8 +78,7 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         self.admin = Admin(self, self.evictor)
         self.handles = {}
         self._unsealed = {}            # ino -> inode: every content_dirty file (durability.py)
-        self._next_fh = 1
-        self._nursery = None
+        self._next_fh, self._nursery = 1, None
         self._durability_lock = trio.Lock()
         self._cut_limiter = trio.CapacityLimiter(1)       # a checkpoint's rows, off the event loop
         self._checkpoint_stats = {"cut_ms_max": 0.0, "last_ms": 0.0,
@@ -173,13 +172,14 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             self.tree.maybe_destroy(inode)
 
     def attr(self, ino):
-        """Return (inode-like attribute source, read_only)."""
+        """(inode-like attribute source, read_only, mtime, held back): all an attribute reply needs, in one call."""
         if ino in (META_DIR_INO, BY_HASH_INO):
             root = self.tree.inodes[ROOT_INO]
-            fake = Inode(ino, stat.S_IFDIR | 0o555, 0, 0, now=root.ctime)
-            fake.atime, fake.mtime = root.atime, root.mtime
-            return fake, False
-        return self.inode(ino), bool(ino & VIEW_BIT)
+            inode = Inode(ino, stat.S_IFDIR | 0o555, 0, 0, now=root.ctime)
+            inode.atime, inode.mtime = root.atime, root.mtime
+        else:
+            inode = self.view.inode(ino) if ino & VIEW_BIT else self.tree.inode(ino)
+        return (inode, bool(ino & VIEW_BIT), *self.mtime_for_kernel(inode))
 
     def readlink(self, ino):
         target = self.inode(ino).target

@@ -148,7 +148,7 @@ async def use_mounted(fs, originals):
                 path = prefix + b"/" + name
                 try:
                     got = ns.lookup(ino, name)
-                    inode, _ = ns.attr(got)
+                    inode = ns.attr(got)[0]
                 except KvfsError:
                     continue
                 if inode.is_dir and got not in seen:

@@ -95,6 +95,32 @@ async def test_a_bug_is_eio_and_logged_never_a_crash(ops, monkeypatch, caplog):
     caplog.clear()                      # these two errors were the point of the test
 
 
+@pytest.mark.expect_errors(r"kvfs\.fuseops: bug in lookup", r"kvfs\.fuseops: internal error in getattr")
+async def test_lookup_and_getattr_map_errors_as_every_handler_does(ops, monkeypatch, caplog):
+    """The two map their errors themselves (no second coroutine a request); same errnos, same logs."""
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.lookup(ROOT_INO, b"x" * 256, ROOT)
+    assert fuse_errno(e) == errno.ENAMETOOLONG
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.getattr(123456, ROOT)
+    assert fuse_errno(e) == errno.ENOENT
+
+    def broken(*args):
+        raise InternalError("invariant broken on purpose")
+
+    monkeypatch.setattr(ops.ns, "lookup", broken)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.lookup(ROOT_INO, b"f", ROOT)
+    assert fuse_errno(e) == errno.EIO
+    monkeypatch.setattr(ops.ns, "attr", lambda ino: 1 / 0)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.getattr(ROOT_INO, ROOT)
+    assert fuse_errno(e) == errno.EIO
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvfs.fuseops" and r.levelname == "ERROR"]
+    assert logged == ["bug in lookup", "internal error in getattr"]
+    caplog.clear()
+
+
 async def test_a_missing_name_is_a_cached_negative_entry(ops):
     miss = await ops.lookup(ROOT_INO, b"not-there", ROOT)
     assert miss.st_ino == 0 and miss.entry_timeout > 0
