@@ -15,6 +15,8 @@ awaits, so no operation sees a file half removed.
 import dataclasses
 import logging
 import time
+from operator import attrgetter
+from stat import S_IFREG
 
 from .. import schema
 from ..crashpoints import crashpoint
@@ -23,6 +25,7 @@ from .inodes import names_of
 from .policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger(__name__)
+_INO, _MTIME = attrgetter("ino"), attrgetter("mtime")
 
 COMMIT_EVERY_BYTES = 256 << 20    # evicted bytes between commits (frees are reusable only once committed)
 
@@ -59,13 +62,14 @@ class Evictor:
     # -- what the policy hears -----------------------------------------------
     def load(self):
         """After mount: every file with content, oldest modification first (no access history survives)."""
-        files = [i for i in self.tree.inodes.values() if i.is_file and not i.provisional]
+        files = [i for i in self.tree.inodes.values() if i.mode & 0o170000 == S_IFREG and not i.provisional]
         # Two stable sorts give (mtime, ino) order with keys that are the
         # inodes' own ints: a key tuple per file was 64 bytes at mount's peak.
-        files.sort(key=lambda i: i.ino)
-        files.sort(key=lambda i: i.mtime)
+        # attrgetter, not a lambda: a Python call per file costs ~1,000 instructions.
+        files.sort(key=_INO)
+        files.sort(key=_MTIME)
         inodes = self.tree.inodes
-        self.policy.load([i.ino for i in files], lambda ino: inodes[ino].size_committed)
+        self.policy.load(list(map(_INO, files)), lambda ino: inodes[ino].size_committed)
 
     def sealed(self, inode):
         self.policy.insert(inode.ino, inode.size_committed)

@@ -191,11 +191,6 @@ def members(current):
 # (the directory's own int): no tuple, which was 56 bytes a file. Two or more
 # are a set of (directory ino, name). Directories keep None (they have one
 # name, found through ``parent``).
-def _shared_values(column):
-    """{value: its shared int} for each distinct value of ``column`` (kvfs/sharedints.py)."""
-    return {value: shared(value) for value in set(column)}
-
-
 def add_name(inode, entry):
     current = inode.names
     if not current:
@@ -250,6 +245,11 @@ def _rare(name, default):
         else:
             rare[name] = value
     return property(get, put, doc=f"(rare; default {default!r})")
+
+
+def _shared_values(column):
+    """{value: its shared int} for each distinct value of ``column`` (kvfs/sharedints.py)."""
+    return {value: shared(value) for value in set(column)}
 
 
 class Inode:

@@ -24,6 +24,7 @@ namespace without a cache.
 """
 import logging
 import stat
+from stat import S_IFDIR, S_IFREG
 from typing import Protocol
 
 from .. import schema
@@ -33,9 +34,9 @@ from ..sharedints import shared
 from .contentindex import ContentIndex
 from .cut import TreeCut
 from .idle import build_live_data
-from .treeload import load_rows
 from .inodes import (DIR_ENTRY_COST, FILE_KEY_COST, FIRST_INO, INDEX_BLOCK_COST, INODE_ROW_COST, ROOT_INO,
                      Inode, add_name, drop_name)
+from .treeload import load_rows
 
 log = logging.getLogger(__name__)
 
@@ -141,24 +142,26 @@ class Tree:
         record was replayed since (a clean unmount leaves none): a million
         lookups less.
         """
-        S_ISDIR, S_ISREG = stat.S_ISDIR, stat.S_ISREG
         inodes, cost_of = self.inodes, self._inode_cost
         stored_keys, domain_of, attach = self.blocks.stored_keys, self.blocks.domain_of, self.blocks.attach
         meta = files = dirs = committed_bytes = 0
         for inode in inodes.values():
-            mode = inode.mode
-            if S_ISREG(mode):           # _inode_cost of a file, inline: most inodes are files
-                meta += INODE_ROW_COST + FILE_KEY_COST * len(inode.committed)
-            else:
+            kind = inode.mode & 0o170000
+            if kind != S_IFREG:
                 meta += cost_of(inode)
-            if S_ISDIR(mode):
-                dirs += 1
-                ino = inode.ino
-                for name, child in inode.entries.items():
-                    node = inodes.get(child)
-                    if node is not None and node.names is not None:
-                        add_name(node, (ino, name))
-            elif S_ISREG(mode):
+                if kind == S_IFDIR:
+                    dirs += 1
+                    ino = inode.ino
+                    for name, child in inode.entries.items():
+                        node = inodes.get(child)
+                        if node is None or node.names is None:
+                            continue                # a directory: named by its parent
+                        if node.names == ():        # add_name's first name, inline: one per file
+                            node.name_dir, node.names = ino, name
+                        else:
+                            add_name(node, (ino, name))
+            else:                       # most inodes; _inode_cost of a file, inline
+                meta += INODE_ROW_COST + FILE_KEY_COST * len(inode.committed)
                 files += 1
                 committed_bytes += inode.size_committed
                 if not check_keys:
