@@ -206,7 +206,8 @@ def check_block_rows(rows, keys=None):
 
 def block_fields_are_valid(k, off, length, refs, domain):
     """Whether a BlockRow's fields have their types and ranges (no message: check_block_rows says why)."""
-    return (type(k) is bytes and type(off) is type(length) is type(refs) is type(domain) is int and len(k) == KEY_LEN and 0 <= off <= U64 and 1 <= length <= MAX_BLOCK_LEN
+    return (type(k) is bytes and type(off) is type(length) is type(refs) is type(domain) is int
+            and len(k) == KEY_LEN and 0 <= off <= U64 and 1 <= length <= MAX_BLOCK_LEN
             and 0 <= refs <= U64 and 0 <= domain <= U64)
 
 
