@@ -7,6 +7,8 @@ while the checkpoint's rows and the tree were both whole in memory, is
 measured by tools/kvfs-bench meta's RSS after remount, not here: at a test's
 scale the journal's read buffer hides it.)
 """
+import array
+
 import trio
 
 from .helpers import close_and_check, fill_files, mkfs, open_fs, running
@@ -53,7 +55,9 @@ def test_a_remounted_file_shares_its_block_keys_with_the_index(tmp_path):
     assert len(fs.index.entries) == FILES and len(lengths) == 1
     # The eviction policy holds the mount's files packed, oldest first: arrays, no object a file.
     small = fs.ns.evictor.policy._small
-    assert len(small) == len(small._inos) == len(small._log) == FILES and not small._extra
+    stats = small.statistics()
+    assert len(small) == stats["slots"] == stats["log_entries"] == FILES and not stats["extra"]
+    assert all(isinstance(a, array.array) for a in (small._log, *small._slots))
     assert small.first()[0] == min(files, key=lambda i: (i.mtime, i.ino)).ino
     close_and_check(fs)
 

@@ -1,8 +1,10 @@
 """Eviction policies: order, skipping, scan resistance, and the simulated trace."""
+import bisect
 import collections
 import importlib.machinery
 import importlib.util
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -143,24 +145,31 @@ def test_packed_policies_decide_as_the_ordereddict_ones_did_loaded_or_inserted(n
     assert walks[0] == walks[1] == walks[2]
 
 
+@pytest.mark.parametrize("step", [2, 3, packedqueue._STEP])
 @pytest.mark.parametrize("near_end", [8, packedqueue._NEAR_END])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_packed_queue_keeps_fifo_order_sizes_and_membership_through_compactions(seed, near_end, monkeypatch):
+def test_a_packed_queue_keeps_fifo_order_sizes_and_membership_through_compactions(seed, near_end, step, monkeypatch):
     """PackedQueue against an OrderedDict, with enough churn for several compactions,
-    numbers inserted in place, and (with a small near_end) numbers kept in _extra."""
+    numbers inserted in place, and (with a small near_end) numbers kept in _extra.
+    With a small slack, and a tiny step, compactions run most of the time, so every
+    operation meets them half done (a log half copied, slots half moved, _extra
+    numbers due to be folded in)."""
     monkeypatch.setattr(packedqueue, "_NEAR_END", near_end)
+    monkeypatch.setattr(packedqueue, "_STEP", step)
+    monkeypatch.setattr(packedqueue, "_SLACK", slack := 16)
     rng = random.Random(seed)
-    start = rng.sample(range(100, 3000), 1500)
+    start = rng.sample(range(100, 3000), 300)
     queue = PackedQueue(list(start), lambda ino: ino * 3)
     model = collections.OrderedDict((ino, ino * 3) for ino in start)
     next_new, used_extra = 3000, False
-    for step in range(6000):
+    for n in range(6000):
         op = rng.random()
         if op < 0.3:                                           # a new file (the largest number yet)
             next_new += rng.randrange(1, 4)
             ino, size = next_new, rng.randrange(1, 1 << 20)
-        elif op < 0.55:                                        # any file (re)queued or moved to the back
-            ino, size = rng.randrange(100, next_new + 1), rng.randrange(1, 1 << 20)
+        elif op < 0.55:                                        # a file moved to the back, or any (re)queued
+            ino = rng.choice(list(model)) if model and rng.random() < 0.7 else rng.randrange(100, next_new + 1)
+            size = rng.randrange(1, 1 << 20)
         else:
             ino = rng.choice(list(model)) if model and rng.random() < 0.8 else rng.randrange(100, next_new + 1)
             assert queue.remove(ino) == model.pop(ino, None)
@@ -169,7 +178,14 @@ def test_a_packed_queue_keeps_fifo_order_sizes_and_membership_through_compaction
         used_extra = used_extra or bool(queue._extra)
         model[ino] = size
         model.move_to_end(ino)
-        if step % 97 == 0:
+        # Garbage stays bounded: a compaction starts once entries pass twice the
+        # files (+ slack) and only shrinks them while it runs (measured: never
+        # above 1.002 times that line). Without compactions the log would reach
+        # ~3x the files by the end.
+        stats = queue.statistics()
+        line = 2 * len(model) + slack
+        assert stats["log_entries"] <= 1.1 * line and stats["slots"] <= 1.1 * line, (stats, len(model))
+        if n % 97 == 0:
             assert list(queue) == list(model.items())
             assert queue.sizes_total() == sum(model.values())
         assert len(queue) == len(model)
@@ -177,8 +193,51 @@ def test_a_packed_queue_keeps_fifo_order_sizes_and_membership_through_compaction
         probe = rng.randrange(100, next_new + 1)
         assert queue.get(probe) == model.get(probe) and (probe in queue) == (probe in model)
     assert used_extra == (near_end == 8), "_extra is for numbers far below the largest only"
-    assert len(queue._log) - queue._head <= 2 * len(model) + 1024     # compactions kept the log bounded
+    stats = queue.statistics()
+    assert stats["log_compactions"] >= 3 and stats["slot_compactions"] >= 2, stats
     while model:                                               # drain from the front
         assert queue.first() == next(iter(model.items()))
         assert queue.remove(queue.first()[0]) == model.popitem(last=False)[1]
     assert queue.first() is None and len(queue) == 0 and list(queue) == []
+
+
+def test_no_queue_call_does_work_in_proportion_to_the_files(monkeypatch):
+    """A compaction runs a step per call: rebuilt whole, it held the event loop for
+    1.3 s on the one remove that crossed the line at a million files. Here 30,000
+    files go through removals and moves enough for several compactions of the log
+    and of the slots, and no single call may bisect more than a step's worth
+    (a whole rebuild bisects once per live file: 9,000 or more here)."""
+    bisections = [0]
+
+    def counting_bisect_left(*args):
+        bisections[0] += 1
+        return bisect.bisect_left(*args)
+    monkeypatch.setattr(packedqueue, "bisect", types.SimpleNamespace(bisect_left=counting_bisect_left))
+    rng = random.Random(5)
+    files = list(range(1000, 31000))
+    queue = PackedQueue(list(files), lambda ino: 4096)
+    calls, most = 0, 0
+
+    def counted(call, *args):
+        nonlocal calls, most
+        before = bisections[0]
+        result = call(*args)
+        calls += 1
+        most = max(most, bisections[0] - before)
+        return result
+    rng.shuffle(files)
+    for ino in files[:21000]:                              # 70% leave
+        assert counted(queue.remove, ino) == 4096
+    survivors = files[21000:]
+    for i in range(3 * len(survivors)):                    # the rest are moved to the back three times over
+        counted(queue.push, survivors[i % len(survivors)], 4096)
+    for ino in range(40000, 45000):                        # and new ones arrive
+        counted(queue.push, ino, 4096)
+    stats = queue.statistics()
+    assert stats["log_compactions"] >= 3 and stats["slot_compactions"] >= 1, stats
+    assert most <= packedqueue._STEP + 4, most
+    assert stats["most_moved_in_one_call"] <= 2 * packedqueue._STEP
+    assert calls == 21000 + 3 * 9000 + 5000
+    # and the queue is still right: front to back, the survivors in their last order, then the new ones
+    assert [ino for ino, _ in queue] == survivors + list(range(40000, 45000))
+    assert queue.sizes_total() == 4096 * (len(survivors) + 5000)
