@@ -39,6 +39,7 @@ _NARROW_INO_MASK = (1 << _NARROW_INO_BITS) - 1
 _NARROW_COOKIE_LIMIT = 1 << 28
 _WIDE_INO_BITS = 64
 _WIDE_INO_MASK = (1 << _WIDE_INO_BITS) - 1
+_COMPACTION_STEP = 64      # DirEntries: entries each add or remove moves while a compaction runs
 
 
 def _pack(cookie, ino):
@@ -67,6 +68,15 @@ class DirEntries:
     once tombstones outnumber live entries, so a listing resumes by bisection
     instead of a scan.
 
+    A compaction runs a step at a time: rebuilt at once, a directory of a
+    million entries (LMCache keeps every chunk in one) held the event loop a
+    quarter of a second on the remove that crossed the line. While one runs,
+    ``_fresh`` (cookies, names) takes the live entries of the arrays from
+    ``_moved`` on, ``_COMPACTION_STEP`` of them a call to add or remove, and
+    replaces them once it has them all; new entries go to the old arrays'
+    end meanwhile (their cookies are the largest), so a cookie up to the
+    fresh arrays' last is in them and any other in the old ones past _moved.
+
     ``by_name`` maps a name to one int packing the cookie and the inode
     number (see _pack): one 32-byte object an entry where an (ino, cookie)
     tuple and its cookie took 88, and at mount a child's inode number decoded
@@ -74,14 +84,16 @@ class DirEntries:
     arrays for 40 more bytes an entry.)
     """
 
-    __slots__ = ("by_name", "_cookies", "_order", "_next", "_dead")
+    __slots__ = ("by_name", "_cookies", "_order", "_next", "_dead", "_fresh", "_moved")
 
     def __init__(self):
         self.by_name = {}                  # name -> _pack(cookie, ino)
         self._cookies = array.array("Q")   # sorted cookies, live and tombstoned
         self._order = []                   # the name of each cookie in _cookies; None: removed
         self._next = 1
-        self._dead = 0
+        self._dead = 0                     # tombstones, in _fresh and in the arrays past _moved
+        self._fresh = None                 # (cookies, names) a compaction is filling, or None
+        self._moved = 0                    # entries of the arrays that compaction has been through
 
     def __len__(self):
         return len(self.by_name)
@@ -115,6 +127,8 @@ class DirEntries:
         self.by_name[name] = _pack(self._next, ino)
         self._cookies.append(self._next)
         self._order.append(name)
+        if self._fresh is not None:
+            self._compact_some()
 
     def add_all(self, entries):
         """Add [(name, ino), ...] (names new and distinct) as :meth:`add` would, one by one.
@@ -131,14 +145,33 @@ class DirEntries:
 
     def remove(self, name):
         cookie = _cookie_of(self.by_name.pop(name))
-        self._order[bisect.bisect_left(self._cookies, cookie)] = None
+        cookies, names, lo, fresh = self._cookies, self._order, self._moved, self._fresh
+        if fresh is not None and fresh[0] and cookie <= fresh[0][-1]:
+            cookies, names, lo = fresh[0], fresh[1], 0
+        names[bisect.bisect_left(cookies, cookie, lo)] = None
         self._dead += 1
-        if self._dead > len(self.by_name) + 64:
-            live = [i for i, n in enumerate(self._order) if n is not None]
-            cookies = self._cookies
-            self._cookies = array.array("Q", [cookies[i] for i in live])
-            self._order = [self._order[i] for i in live]
-            self._dead = 0
+        if fresh is not None or self._dead > len(self.by_name) + 64:
+            self._compact_some()
+
+    def _compact_some(self):
+        """Move the next step of entries (starting a compaction if none runs) into _fresh."""
+        if self._fresh is None:
+            self._fresh, self._moved = (array.array("Q"), []), 0
+        fresh_cookies, fresh_names = self._fresh
+        cookies, names = self._cookies, self._order
+        start = self._moved
+        end = min(start + _COMPACTION_STEP, len(cookies))
+        for i in range(start, end):
+            name = names[i]
+            if name is None:
+                self._dead -= 1
+            else:
+                fresh_cookies.append(cookies[i])
+                fresh_names.append(name)
+        self._moved = end
+        if end == len(cookies):
+            self._cookies, self._order = self._fresh
+            self._fresh, self._moved = None, 0
 
     def items_after(self, cookie):
         """Yield (name, ino, cookie) for entries with a cookie greater than ``cookie``."""
@@ -146,15 +179,23 @@ class DirEntries:
         # replaces them, and positions in the new ones mean other entries.
         # An entry removed since is skipped (its name is gone or has another
         # cookie); one added after a compaction may be missed, as POSIX allows.
-        cookies, order = self._cookies, self._order
-        i = bisect.bisect_right(cookies, cookie)
-        while i < len(cookies):
-            name = order[i]
-            if name is not None:
-                hit = self.by_name.get(name)
-                if hit is not None and _cookie_of(hit) == cookies[i]:
-                    yield name, _ino_of(hit), cookies[i]
-            i += 1
+        # Mid-compaction, the fresh arrays as far as they are filled now, then
+        # the old ones past what they hold (filling them more later moves no
+        # entry out of the old arrays, so none is seen twice).
+        if self._fresh is None:
+            parts = [(self._cookies, self._order, 0, None)]
+        else:
+            parts = [(*self._fresh, 0, len(self._fresh[0])), (self._cookies, self._order, self._moved, None)]
+        by_name = self.by_name
+        for cookies, order, lo, end in parts:
+            i = bisect.bisect_right(cookies, cookie, lo, len(cookies) if end is None else end)
+            while i < (len(cookies) if end is None else end):
+                name = order[i]
+                if name is not None:
+                    hit = by_name.get(name)
+                    if hit is not None and _cookie_of(hit) == cookies[i]:
+                        yield name, _ino_of(hit), cookies[i]
+                i += 1
 
 
 # "One or a set": the owners of a content (Tree.content) and a file's names

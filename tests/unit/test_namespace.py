@@ -2,6 +2,7 @@
 import dataclasses
 import errno
 import os
+import random
 import shutil
 import stat
 
@@ -868,3 +869,58 @@ async def test_statistics_are_frozen_records_that_add_up(path):
         for ino in (d, a, b, c):
             ns.forget(ino, 1)
     close_and_check(fs)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_listings_see_every_entry_once_while_compactions_run_in_steps(seed, monkeypatch):
+    """Compaction moves a few entries a call (rebuilt at once, a million-entry
+    directory stalled the loop for a quarter second). With a step of 3, most
+    adds, removes and listings meet one half done. Listings started at random
+    times, from cookie 0 or from a cookie one of them handed out, and advanced a
+    few entries between changes, must each yield entries in increasing cookie
+    order (so none twice), each live with that inode and cookie when yielded, and
+    every entry that was there (past its cookie) from its start to its end."""
+    from kvfs.namespace import inodes
+    monkeypatch.setattr(inodes, "_COMPACTION_STEP", 3)
+    rng = random.Random(seed)
+    d, live = DirEntries(), {}
+    names = iter(b"n%05d" % i for i in range(100_000))
+    listings, handed_out, finished, seen_running = [], [0], 0, set()
+    for _ in range(4000):
+        r = rng.random()
+        if r < 0.47 or not live:
+            name = next(names) if rng.random() < 0.8 or not handed_out else b"again"
+            if name in live:
+                d.remove(name)
+                for listing in listings:
+                    listing["required"].discard(name)
+            live[name] = ino = rng.randrange(100, 1 << 40)
+            d.add(name, ino)
+        elif r < 0.95:
+            name = rng.choice(list(live))
+            d.remove(name)
+            del live[name]
+            for listing in listings:
+                listing["required"].discard(name)
+        else:
+            start = rng.choice(handed_out)
+            listings.append({"it": d.items_after(start), "last": start, "yielded": set(),
+                             "required": {n for n in live if d.cookie_of(n) > start}})
+        seen_running.add(d._fresh is not None)
+        for listing in list(listings):
+            for _ in range(rng.randrange(0, 6)):
+                got = next(listing["it"], None)
+                if got is None:
+                    assert listing["required"] <= listing["yielded"], "skipped an entry there all along"
+                    listings.remove(listing)
+                    finished += 1
+                    break
+                name, ino, cookie = got
+                assert live.get(name) == ino and d.cookie_of(name) == cookie
+                assert cookie > listing["last"]          # so none twice (a name re-added has a new cookie)
+                listing["last"] = cookie
+                listing["yielded"].add(name)
+                handed_out.append(cookie)
+        assert d._dead <= len(d) + 64 + 2 * len(d._order) // inodes._COMPACTION_STEP + 2
+    assert seen_running == {True, False} and finished >= 20
+    assert sorted(n for n, _, _ in d.items_after(0)) == sorted(live)
