@@ -87,7 +87,11 @@ def test_files_in_flight_at_a_crash_are_whole_or_absent(kvfs_factory):
             workers.start(writer, w, workers.stop)
         time.sleep(3)
         workers.stop.set()
-        fs.kill9()
+        # The dead mount stays in place until the writers are joined: detached at
+        # once, a writer's next open() created its file in the bare mountpoint
+        # directory, fsynced it there, and the remount hid it (seen as "lost").
+        fs.kill9(detach=False)
+    fs.detach()
     assert len(fsynced) >= 3, "the writers made too little progress to test anything"
     fs.mount()
     present = set(os.listdir(fs.mnt)) - {".kvfs"}
