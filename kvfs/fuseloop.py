@@ -13,14 +13,30 @@ re-arming on the create path (issue 10).
 
 What this does. The same wait, except that once the task holds the read lock
 it first asks ``poll()`` with a zero timeout, keeping the GIL, whether a
-request is queued, and if one is, returns at once. Two properties of the
-original are kept:
+request is queued, and if one is, returns at once.
 
-* fairness: taking the lock is a trio checkpoint, so other tasks (replies of
-  handlers that awaited the device, flush completions) still run between
-  requests;
+And most waits do not take the lock at all. Taking a trio Lock is a
+checkpoint even when it is free: the task goes back through trio's scheduler
+(and its ``epoll_wait``) before it may read. While no task is parked in trio's
+I/O wait for the fd and poll() says a request is queued, a wait returns True
+at once, up to ``SKIPS_BETWEEN_CHECKPOINTS`` times in a row; the next one then
+takes the lock. Creating small files (five requests each) went from about
+2,100 to 3,100-3,500 a second with this, and the daemon's CPU per file from
+about 550 to 350 us (2-core VM, store on tmpfs, 4 writers).
+
+Two properties of the original are kept:
+
+* fairness: at least every ``SKIPS_BETWEEN_CHECKPOINTS + 1``-th wait is a
+  trio checkpoint, so other tasks (replies of handlers that awaited the
+  device, flush completions) still run between requests, a few requests
+  apart instead of one;
 * no await between "readable" and the caller's read, which is a blocking
-  read of /dev/fuse: with nothing queued it would stall the whole loop.
+  read of /dev/fuse: with nothing queued it would stall the whole loop. A
+  task parked in ``wait_readable`` returns True once it is woken, and its
+  caller reads: so while one is parked (``_parked``, cleared only when it runs
+  again) no other wait may skip the lock and take the request it was woken
+  for. Every other wait that says True polled in the same step as its
+  caller's read.
 
 pyfuse3 looks the function up in its module globals on every call (Cython's
 ``__Pyx_GetModuleGlobalName``), so replacing the module attribute takes effect.
@@ -64,6 +80,11 @@ _libc_poll.restype = ctypes.c_int
 class RequestWaitStatistics:
     fuse_waits_queued: int      # waits that found a request already queued (no epoll)
     fuse_waits_idle: int        # waits that parked in trio's epoll until one came
+    fuse_waits_unlocked: int    # of the queued ones, those that skipped the lock (no checkpoint)
+
+
+# Waits in a row that may return without a checkpoint (see the module's doc).
+SKIPS_BETWEEN_CHECKPOINTS = 8
 
 
 class RequestWait:
@@ -77,6 +98,9 @@ class RequestWait:
         self._pollfd_at = ctypes.addressof(self._pollfd)
         self._queued = 0
         self._idle = 0
+        self._unlocked = 0
+        self._skips = 0             # waits in a row that returned without a checkpoint
+        self._parked = False        # a task is in wait_readable, or woken from it and not run yet
 
     @classmethod
     def install(cls, fd):
@@ -94,6 +118,13 @@ class RequestWait:
 
     async def wait(self):
         """True once a request can be read without blocking; False when the loop should end."""
+        if (self._skips < SKIPS_BETWEEN_CHECKPOINTS and not self._parked and not self.stopping
+                and _libc_poll(self._pollfd_at, 1, 0) > 0):
+            self._skips += 1
+            self._queued += 1
+            self._unlocked += 1
+            return True
+        self._skips = 0
         try:
             async with self._lock:
                 if self.stopping:
@@ -102,10 +133,14 @@ class RequestWait:
                     self._queued += 1
                     return True
                 self._idle += 1
-                await trio.lowlevel.wait_readable(self.fd)
+                self._parked = True
+                try:
+                    await trio.lowlevel.wait_readable(self.fd)
+                finally:
+                    self._parked = False
         except trio.ClosedResourceError:       # pyfuse3.terminate() woke us with notify_closing
             return False
         return True
 
     def statistics(self):
-        return RequestWaitStatistics(self._queued, self._idle)
+        return RequestWaitStatistics(self._queued, self._idle, self._unlocked)

@@ -114,6 +114,8 @@ METRICS = {
                           "Waits for the next FUSE request that found one queued (no epoll round trip)."),
     "fuse_waits_idle": ("kvfs_fuse_waits_idle_total", COUNTER,
                         "Waits for the next FUSE request that parked in the event loop until one came."),
+    "fuse_waits_unlocked": ("kvfs_fuse_waits_unlocked_total", COUNTER,
+                            "Of the queued waits, those that took the request without a trio checkpoint."),
     "gc_full_collections": ("kvfs_gc_full_collections_total", COUNTER,
                             "Full (generation-2) Python garbage collections in the daemon."),
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,
