@@ -94,14 +94,20 @@ class PackedQueue:
                 "slot_compactions": self._slot_compactions, "compaction_steps": self._steps,
                 "most_moved_in_one_call": self._most_moved}
 
-    def _find(self, ino):
-        """(sizes, at, index) of ``ino``'s slot (live or departed), or None."""
+    def _place(self, ino):
+        """(inos, sizes, at, index): the slots that hold ``ino`` or would take it, and where.
+
+        While slots are being moved, a number above the fresh slots' last
+        belongs to the old slots past ``moved``, any other to the fresh ones."""
         inos, sizes, at = self._slots
         if self._old is not None and (not inos or ino > inos[-1]):
             inos, sizes, at = self._old
-            i = bisect.bisect_left(inos, ino, self._moved)
-        else:
-            i = bisect.bisect_left(inos, ino)
+            return inos, sizes, at, bisect.bisect_left(inos, ino, self._moved)
+        return inos, sizes, at, bisect.bisect_left(inos, ino)
+
+    def _find(self, ino):
+        """(sizes, at, index) of ``ino``'s slot (live or departed), or None."""
+        inos, sizes, at, i = self._place(ino)
         return (sizes, at, i) if i < len(inos) and inos[i] == ino else None
 
     def get(self, ino):
@@ -126,9 +132,8 @@ class PackedQueue:
         """Queue ``ino`` at the back, or move it there (with ``size``) if it is queued."""
         at = len(self._log) | self._tag
         self._log.append(ino)
-        slot = self._find(ino)
-        if slot is not None:
-            sizes, ats, i = slot
+        inos, sizes, ats, i = self._place(ino)
+        if i < len(inos) and inos[i] == ino:
             if sizes[i] == _GONE:
                 self._live += 1
             sizes[i], ats[i] = size, at
@@ -136,22 +141,13 @@ class PackedQueue:
             self._extra[ino] = [size, at]
         else:
             self._live += 1
-            self._insert(ino, size, at)
+            if len(inos) - i <= _NEAR_END:
+                inos.insert(i, ino)
+                sizes.insert(i, size)
+                ats.insert(i, at)
+            else:
+                self._extra[ino] = [size, at]
         self._compact_some()
-
-    def _insert(self, ino, size, at):
-        inos, sizes, ats = self._slots
-        lo = 0
-        if self._old is not None and (not inos or ino > inos[-1]):
-            inos, sizes, ats = self._old
-            lo = self._moved
-        i = bisect.bisect_left(inos, ino, lo)
-        if len(inos) - i <= _NEAR_END:
-            inos.insert(i, ino)
-            sizes.insert(i, size)
-            ats.insert(i, at)
-        else:
-            self._extra[ino] = [size, at]
 
     def remove(self, ino):
         """Take ``ino`` out; its size, or None if it was not queued."""
