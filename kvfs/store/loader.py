@@ -104,41 +104,57 @@ class Loaded:
                 self.skipped_records += 1
         return out
 
-    def _read_slot(self, slot):
-        """(generation, payload) of a slot; payload None if its header is valid but the payload is not.
-
-        None when the slot holds no valid header at all (zeroed, or a torn header write).
-        """
+    def _read_header(self, slot):
+        """(generation, payload length, digest) of a slot's header; None if it holds no valid one
+        (zeroed, or a torn header write)."""
         off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
-        header = schema.decode_checkpoint_header(self.device.pread_sync(off, schema.SECTOR), self.sb.checkpoint_len,
+        return schema.decode_checkpoint_header(self.device.pread_sync(off, schema.SECTOR), self.sb.checkpoint_len,
                                                self.sb.hash_seed)
-        if header is None:
-            return None
-        generation, length, digest = header
+
+    def _read_payload(self, slot, header):
+        """The slot's payload; None if it fails the header's checksum."""
+        off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
+        _, length, digest = header
         payload = self.device.pread_sync(off + schema.SECTOR, length)
-        if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) != digest:
-            return generation, None
-        return generation, payload
+        return payload if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) == digest else None
 
     def _load_checkpoint(self, decode=True):
-        found = {slot: self._read_slot(slot) for slot in (0, 1)}
-        valid = [(got[0], slot, got[1]) for slot, got in found.items() if got and got[1] is not None]
-        if not valid:
+        """Find the newest checkpoint whose payload passes its checksum, and decode it (with ``decode``).
+
+        Slots are tried newest header first, and an older slot's payload is read
+        only when the newer one fails: at a million files a payload is 130 MB,
+        and reading and hashing the one a mount does not use cost it 0.3 s.
+        So a damaged older slot is found by fsck (``salvage`` reads both), not
+        by a mount; the next checkpoint overwrites that slot anyway. Without
+        ``decode`` (mount.kvfs before it forks) the payload is still read and
+        verified: a damaged checkpoint is refused before the daemon writes its
+        multi-mount claim (a refused mount writes nothing).
+        """
+        headers = {slot: self._read_header(slot) for slot in (0, 1)}
+        newest_first = sorted(((h[0], slot) for slot, h in headers.items() if h), reverse=True)
+        if newest_first:
+            self.highest_generation = newest_first[0][0]
+        payload, failed = None, []
+        for generation, slot in newest_first:
+            payload = self._read_payload(slot, headers[slot])
+            if payload is not None:
+                self.generation, self._active_slot = generation, slot
+                break
+            failed.append((generation, slot))
+        if payload is None:
             raise FormatError("no valid checkpoint in either slot: the metadata is corrupt "
                               "(fsck.kvfs cannot rebuild it; the data blocks are unreadable without it)")
-        self.generation, self._active_slot, payload = max(valid)
-        self.highest_generation = max(got[0] for got in found.values() if got)
-        for slot, got in found.items():
-            if got and got[1] is None:
-                # The header is written only after the payload is durable, so a
-                # valid header over a bad payload is damage, not a torn write.
-                if got[0] > self.generation:
-                    self.damage.append(f"checkpoint slot {'AB'[slot]} holds generation {got[0]}, newer than "
-                                       f"generation {self.generation} in slot {'AB'[self._active_slot]}, "
-                                       f"but its payload fails its checksum")
-                else:
+        for generation, slot in failed:
+            # The header is written only after the payload is durable, so a
+            # valid header over a bad payload is damage, not a torn write.
+            self.damage.append(f"checkpoint slot {'AB'[slot]} holds generation {generation}, newer than "
+                               f"generation {self.generation} in slot {'AB'[self._active_slot]}, "
+                               f"but its payload fails its checksum")
+        if self.salvage:
+            for generation, slot in newest_first:
+                if generation < self.generation and self._read_payload(slot, headers[slot]) is None:
                     log.warning("checkpoint slot %s (generation %s, older than the one in use) is damaged; "
-                                "the next checkpoint overwrites it", "AB"[slot], got[0])
+                                "the next checkpoint overwrites it", "AB"[slot], generation)
         if not decode:
             return
         if self.stream_inodes:
