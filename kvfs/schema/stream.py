@@ -95,10 +95,18 @@ def _block_rows(unpacker):
     Refused as :func:`check_block_rows` refuses them, row for row; a row of
     the usual shape is checked from its fields, before it is a BlockRow."""
     rows, keys = [], set()
-    append, add_key = rows.append, keys.add
+    append, add_key, unpack = rows.append, keys.add, unpacker.unpack
     for _ in range(unpacker.read_array_header()):
-        wire = unpacker.unpack()
-        if type(wire) is list and len(wire) == 4:
+        wire = unpack()
+        # Five fields: a block of a dedup domain, which is every block of a
+        # store with a key secret (format 2); four: domain 0.
+        if type(wire) is list and len(wire) == 5:
+            k, off, length, refs, domain = wire
+            if block_fields_are_valid(k, off, length, refs, domain) and k not in keys:
+                add_key(k)
+                append(BlockRow(k, off, length, refs, domain))
+                continue
+        elif type(wire) is list and len(wire) == 4:
             k, off, length, refs = wire
             if block_fields_are_valid(k, off, length, refs, 0) and k not in keys:
                 add_key(k)

@@ -84,9 +84,19 @@ def test_trailing_bytes_and_truncation_are_refused():
         decode_streaming(payload[:-3], 16)
 
 
+OTHER = bytes(range(1, 17))
+
+
 @pytest.mark.parametrize("bad_block", [7, [KEY, 1 << 20], [b"short", 1 << 20, 4096, 1], [KEY, -1, 4096, 1],
-                                       [bytes(16), 1 << 20, 4096, 1, 0, 9]],
-                         ids=["not-a-row", "too-short", "bad-key", "bad-offset", "too-long"])
+                                       [bytes(16), 1 << 20, 4096, 1, 0, 9],
+                                       # five fields (a dedup domain: every block of a format-2 store)
+                                       # (a key the state does not hold already: that alone refuses)
+                                       [OTHER, 1 << 20, 4096, 1, -5], [OTHER, 1 << 20, 4096, 1, "dom"],
+                                       [OTHER, 1 << 20, 4096, 1, 1.5], [b"short", 1 << 20, 4096, 1, 7],
+                                       [OTHER, 1 << 20, 0, 1, 7], [OTHER, 1 << 20, 4096, -1, 7]],
+                         ids=["not-a-row", "too-short", "bad-key", "bad-offset", "too-long",
+                              "negative-domain", "text-domain", "float-domain", "bad-key-with-domain",
+                              "empty-with-domain", "negative-refs-with-domain"])
 def test_block_rows_decoded_one_by_one_are_refused_as_the_whole_decode_refuses(bad_block):
     w = wire()
     w["blocks"].append(bad_block)
