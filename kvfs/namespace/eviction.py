@@ -62,7 +62,9 @@ class Evictor:
     # -- what the policy hears -----------------------------------------------
     def load(self):
         """After mount: every file with content, oldest modification first (no access history survives)."""
-        files = [i for i in self.tree.inodes.values() if i.mode & 0o170000 == S_IFREG and not i.provisional]
+        # (_rare None: not provisional, without a property call a file; inodes.py)
+        files = [i for i in self.tree.inodes.values()
+                 if i.mode & 0o170000 == S_IFREG and (i._rare is None or not i.provisional)]
         # Two stable sorts give (mtime, ino) order with keys that are the
         # inodes' own ints: a key tuple per file was 64 bytes at mount's peak.
         # attrgetter, not a lambda: a Python call per file costs ~1,000 instructions.

@@ -151,17 +151,18 @@ class Tree:
                 meta += cost_of(inode)
                 if kind == S_IFDIR:
                     dirs += 1
-                    ino = inode.ino
-                    for name, child in inode.entries.items():
-                        node = inodes.get(child)
-                        if node is None or node.names is None:
-                            continue                # a directory: named by its parent
-                        if node.names == ():        # add_name's first name, inline: one per file
+                    ino, entries = inode.ino, inode.entries
+                    for name, node in zip(list(entries.names()), map(inodes.get, entries.inos())):
+                        if node is None:
+                            continue
+                        known = node.names
+                        if known == ():             # add_name's first name, inline: one per file
                             node.name_dir, node.names = ino, name
-                        else:
+                        elif known is not None:     # None: a directory, named by its parent
                             add_name(node, (ino, name))
             else:                       # most inodes; _inode_cost of a file, inline
-                meta += INODE_ROW_COST + FILE_KEY_COST * len(inode.committed)
+                keys = inode._committed     # (not .committed: a tuple made a file for its length)
+                meta += INODE_ROW_COST + FILE_KEY_COST * (len(keys) if type(keys) is tuple else 1)
                 files += 1
                 committed_bytes += inode.size_committed
                 if not check_keys:
@@ -190,7 +191,9 @@ class Tree:
 
     def _drop_provisional(self):
         """Remove files whose content was never recorded: they were in flight at a crash."""
-        doomed = {ino for ino, inode in self.inodes.items() if inode.provisional}
+        # _rare None: every rare field, provisional among them, is at its default
+        # (inodes.py); a million property calls less at a remount.
+        doomed = {ino for ino, inode in self.inodes.items() if inode._rare is not None and inode.provisional}
         if not doomed:
             return
         for directory in [i for i in self.inodes.values() if i.is_dir]:

@@ -1,5 +1,6 @@
 """BlockIndex: keyed content keys, dedup, refs/pins, verified reads, space reservation."""
 import errno
+import os
 
 import pytest
 import trio
@@ -7,12 +8,13 @@ import trio.testing
 import xxhash
 
 from kvfs import schema
+from kvfs.blockindex import BlockEntry
 from kvfs.device import Device
 from kvfs.errors import CorruptBlock, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
 from kvfs.namespace import ROOT_INO
 from kvfs.store.loader import load
 
-from .helpers import BS, DIR_MODE, close_and_check, flip_byte, mkfs, open_fs, pattern, slow_writes
+from .helpers import BS, DIR_MODE, close_and_check, flip_byte, mkfs, open_fs, pattern, running, slow_writes
 
 
 def aligned(n):
@@ -137,6 +139,36 @@ async def test_short_blocks_use_aligned_space(tmp_path):
     assert fs.store.statistics().free_bytes == fs.store.sb.data_len - 8192
     assert await index.read_block(key) == pattern(6, 5000)
     await fs.ns.checkpoint()
+    close_and_check(fs)
+
+
+async def test_a_remount_builds_each_entry_as_its_constructor_would(tmp_path):
+    """BlockIndex.load sets each entry's slots without BlockEntry's call (a million at a
+    remount): the same values, the common lengths one object, domain 0 Python's own."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path, dedup_groups=None)
+    lengths = [1, 300, 300, 4096, 5000, 5000, BS]
+    async with running(fs):
+        for uid in (0, 1000):
+            parent = fs.ns.make(ROOT_INO, b"u%d" % uid, DIR_MODE, uid, uid)
+            for i, length in enumerate(lengths):
+                ino = fs.ns.make(parent, b"f%d" % i, 0o100644, uid, uid)
+                fh, _, _ = fs.ns.open(ino, os.O_WRONLY)
+                await fs.ns.write(fh, 0, pattern(uid + i, length))
+                await fs.ns.release(fh)
+    before = {key: (e.off, e.length, e.refs, e.domain) for key, e in fs.index.entries.items()}
+    used = fs.index.used_bytes
+    close_and_check(fs)
+    fs = open_fs(path, dedup_groups=None)
+    entries = fs.index.entries
+    assert len(entries) == 2 * len(lengths) and {e.domain for e in entries.values()} != {0}
+    for key, e in entries.items():
+        made = BlockEntry(e.off, e.length, e.refs, 0, e.domain, key)
+        assert [getattr(e, s) for s in BlockEntry.__slots__] == [getattr(made, s) for s in BlockEntry.__slots__]
+        assert (e.off, e.length, e.refs, e.domain) == before[key] and e.key is key
+    assert fs.index.used_bytes == used == sum(aligned(e.length) for e in entries.values())
+    for length in (300, 5000):
+        assert len({id(e.length) for e in entries.values() if e.length == length}) == 1
     close_and_check(fs)
 
 
