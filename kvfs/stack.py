@@ -60,13 +60,20 @@ def _replay(store, index, load, *, consume=False):
     ``consume`` (mount): the checkpoint's rows are dropped as they are loaded.
     """
     loaded = store.loaded
-    index.load(loaded.state.blocks, consume=consume)
     try:
-        result = load(loaded.state, loaded.records)
-    except KvfsError:
+        index.load(loaded.state.blocks, consume=consume)
+        try:
+            result = load(loaded.state, loaded.records)
+        except KvfsError:
+            raise
+        except Exception as exc:
+            raise FormatError(f"the journal does not replay cleanly ({exc!r}): run fsck.kvfs") from None
+    except Exception:
+        # Rows a child is still checking were built unchecked (kvfs/store/childcheck.py):
+        # its refusal, if any, is what went wrong.
+        loaded.confirm_checked()
         raise
-    except Exception as exc:
-        raise FormatError(f"the journal does not replay cleanly ({exc!r}): run fsck.kvfs") from None
+    loaded.confirm_checked()
     store.finish_replay()
     return result
 

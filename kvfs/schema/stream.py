@@ -46,13 +46,19 @@ def _unpacker(payload, start=0):
     return msgpack.Unpacker(stream, strict_map_key=False, max_buffer_size=max(len(payload), 1 << 20))
 
 
-def decode_streaming(payload, first_ino, block_size=None):
+def decode_streaming(payload, first_ino, block_size=None, *, checked=True):
     """CheckpointState of ``payload`` with its inode rows left to decode lazily (see module doc).
 
     ``block_size`` (the superblock's): a regular file naming more blocks than
     its size fills at that block size is refused as its row is reached
     (:func:`check_block_count`). Returns None when the payload is not a plain
-    map: the caller then decodes it whole (``from_wire`` explains what is wrong)."""
+    map: the caller then decodes it whole (``from_wire`` explains what is wrong).
+
+    Without ``checked`` the block and inode rows are decoded but not checked:
+    only for a caller that has the same payload checked elsewhere and waits
+    for that verdict before it uses anything built from them (a mount's child
+    check, kvfs/store/childcheck.py). Rows that are not rows may then raise
+    anything, not FormatError."""
     if not payload or payload[0] not in range(0x80, 0x90) and payload[0] not in (0xde, 0xdf):
         return None
     unpacker = _unpacker(payload)
@@ -66,7 +72,7 @@ def decode_streaming(payload, first_ino, block_size=None):
                 unpacker.skip()
                 wire.pop(key, None)
             elif key == "blocks" and at < len(payload) and payload[at] in _ARRAY_TYPES:
-                blocks = _block_rows(unpacker)
+                blocks = _block_rows(unpacker) if checked else _unchecked_block_rows(unpacker)
                 wire.pop(key, None)
             else:
                 wire[key] = unpacker.unpack()
@@ -85,8 +91,14 @@ def decode_streaming(payload, first_ino, block_size=None):
     if blocks is not None:
         state.blocks = blocks               # checked as decoded (_block_rows)
     if rows_at is not None:
-        state.inodes = InodeRowStream(payload, rows_at, block_size)
+        state.inodes = InodeRowStream(payload, rows_at, block_size, checked=checked)
     return state
+
+
+def _unchecked_block_rows(unpacker):
+    """The BlockRows of the ``blocks`` array, decoded only (see decode_streaming's ``checked``)."""
+    unpack = unpacker.unpack
+    return [BlockRow(*unpack()) for _ in range(unpacker.read_array_header())]
 
 
 def _block_rows(unpacker):
@@ -130,8 +142,9 @@ class InodeRowStream:
     an InodeRow: mount's load takes those (0.8 us a row less, a million times).
     """
 
-    def __init__(self, payload, start, block_size=None):
+    def __init__(self, payload, start, block_size=None, *, checked=True):
         self._payload, self._start, self._block_size = payload, start, block_size
+        self._checked = checked         # False: see decode_streaming
 
     def __iter__(self):
         for fields in self.fields():
@@ -158,7 +171,9 @@ class InodeRowStream:
         if payload is None:
             raise RuntimeError("a checkpoint's streamed inode rows can be read only once")
         unpacker = _unpacker(payload, self._start)
-        block_size, unpack = self._block_size, unpacker.unpack
+        block_size, unpack, checked = self._block_size, unpacker.unpack, self._checked
+        if not checked:
+            block_size = None
         try:
             left = unpacker.read_array_header()
         except Exception as exc:    # noqa: BLE001
@@ -173,7 +188,8 @@ class InodeRowStream:
             # Each row checked as it is decoded, while its objects are in the
             # CPU's cache: decoding a list of rows first and checking them after
             # (even column by column, in C-level passes) was slower.
-            if type(fields) is not list or len(fields) != ROW_FIELDS or not inode_fields_are_valid(*fields):
+            if checked and (type(fields) is not list or len(fields) != ROW_FIELDS
+                            or not inode_fields_are_valid(*fields)):
                 _refuse(fields)
             if fields[1] & 0o170000 != S_IFREG:
                 if files:

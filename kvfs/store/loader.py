@@ -19,6 +19,7 @@ from .. import schema
 from ..errors import FormatError
 from ..schema.stream import decode_streaming
 from ..schema.validate import check_block_count
+from .childcheck import start as start_child_check
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,18 @@ def load(device, *, salvage=False, decode_checkpoint=True, stream_inodes=False):
     (kvfs/schema/stream.py); its rows are checked then."""
     loaded = Loaded(device, read_superblock(device), salvage)
     loaded.stream_inodes = stream_inodes and not salvage
-    loaded._load_checkpoint(decode=decode_checkpoint)
-    loaded._load_journal()
-    if salvage:
-        loaded._scan_journal_generations()
-    if loaded.damage and not salvage:
-        raise FormatError(f"{device.path}: {loaded.damage[0]}; mounting would silently lose "
-                          f"committed changes: run fsck.kvfs --repair to recover what can be "
-                          f"recovered")
+    try:
+        loaded._load_checkpoint(decode=decode_checkpoint)
+        loaded._load_journal()
+        if salvage:
+            loaded._scan_journal_generations()
+        if loaded.damage and not salvage:
+            raise FormatError(f"{device.path}: {loaded.damage[0]}; mounting would silently lose "
+                              f"committed changes: run fsck.kvfs --repair to recover what can be "
+                              f"recovered")
+    except Exception:
+        loaded.confirm_checked()    # a refusal of the checkpoint's rows comes first, as in process
+        raise
     return loaded
 
 
@@ -64,6 +69,7 @@ class Loaded:
         self.highest_generation = 0      # newest generation seen in any slot header or frame
         self.skipped_records = 0         # salvage: records that do not decode
         self.stream_inodes = False       # state.inodes decoded as it is consumed (load's stream_inodes)
+        self._child_check = None         # a childcheck.ChildCheck until confirm_checked
         self._journal_cursor = self._frame_seq = 0
         self._newer_frames_reported = False
 
@@ -158,7 +164,12 @@ class Loaded:
         if not decode:
             return
         if self.stream_inodes:
-            self.state = decode_streaming(payload, FIRST_INO, self.sb.block_size)
+            # The rows' checks in a child process while this one builds (childcheck).
+            sb = self.sb
+            self._child_check = start_child_check(lambda: check_payload(sb, payload), len(payload))
+            self.state = decode_streaming(payload, FIRST_INO, sb.block_size, checked=self._child_check is None)
+            if self.state is None and self._child_check is not None:
+                self.confirm_checked()      # not a plain map: decoded whole below, and checked here
         if self.state is None:
             try:
                 wire = msgpack.unpackb(payload, strict_map_key=False)
@@ -168,8 +179,22 @@ class Loaded:
             del wire
             for row in self.state.inodes:
                 self._check_row(row)
-        if not self.salvage:                # fsck reports and repairs the space map itself
+        if not self.salvage and self._child_check is None:     # fsck reports and repairs the space map itself
             check_extents(self.sb, self.state)
+
+    def confirm_checked(self):
+        """Wait for the checkpoint checks a child runs (if one does); FormatError if they refuse.
+
+        A mount calls this before it uses anything built from the rows: they were
+        decoded unchecked (kvfs/store/childcheck.py)."""
+        check, self._child_check = self._child_check, None
+        if check is None:
+            return
+        refusal = check.verdict()
+        # In the mount's report (the daemon logs it): where the rows were checked.
+        self.replay_report["checkpoint_check"] = "child process" if check.ran_in_child else "here (the child died)"
+        if refusal:
+            raise FormatError(refusal)
 
     def _check_row(self, row):
         if row.mode & 0o170000 == 0o100000:
@@ -359,6 +384,16 @@ def check_extent(sb, off, length, what):
         raise FormatError(f"{what} at {off} (+{length}) lies outside the data region")
     if length > sb.block_size:
         raise FormatError(f"{what} at {off} is {length} bytes, more than the block size {sb.block_size}")
+
+
+def check_payload(sb, payload):
+    """Every check a mount's decode of ``payload`` makes, and nothing built: a child runs this."""
+    state = decode_streaming(payload, FIRST_INO, sb.block_size)         # block rows checked here
+    if state is not None:
+        check_extents(sb, state)            # in _load_checkpoint's order: the same first refusal
+        if not isinstance(state.inodes, list):      # a list: not an array on the wire, from_wire checked it
+            for _ in state.inodes.batches():                            # inode rows checked here
+                pass
 
 
 def check_extents(sb, state):
