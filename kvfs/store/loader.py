@@ -165,8 +165,19 @@ class Loaded:
             return
         if self.stream_inodes:
             # The rows' checks in a child process while this one builds (childcheck).
-            sb = self.sb
-            self._child_check = start_child_check(lambda: check_payload(sb, payload), len(payload))
+            sb, slot, kept = self.sb, self._active_slot, [payload]
+
+            def check():
+                # The child checks the payload as forked. Here (the child died) it
+                # is read again: holding it for that case kept 130 MB alive through
+                # the whole build at a million files.
+                again = kept[0] if kept[0] is not None else self._read_payload(slot, headers[slot])
+                if again is None:
+                    raise FormatError(f"checkpoint slot {'AB'[slot]} no longer passes its checksum")
+                check_payload(sb, again)
+            self._child_check = start_child_check(check, len(payload))
+            if self._child_check is not None:
+                kept[0] = None
             self.state = decode_streaming(payload, FIRST_INO, sb.block_size, checked=self._child_check is None)
             if self.state is None and self._child_check is not None:
                 self.confirm_checked()      # not a plain map: decoded whole below, and checked here
