@@ -13,8 +13,13 @@ import os
 from threads import run_in_threads
 
 FILES = 1500
-WARM_UP = 4
-ROUNDS = 6
+# The C heap is never trimmed (kvfs/daemon.py, tune_malloc), so the daemon's RSS
+# follows the heap's high-water mark, which creeps up for a few dozen rounds as
+# allocation patterns vary, then levels off (measured on a 2-core VM: +8 MiB from
+# round 5 to 30, +1.3 MiB from 30 to 60). Four warm-up rounds and six measured
+# ones saw 4-9 MiB of that creep, with the code of 2026-12-04 as with later code.
+WARM_UP = 8
+ROUNDS = 12
 
 
 def churn(mnt, round_no):
@@ -51,8 +56,8 @@ def test_memory_and_metadata_stay_flat_as_files_come_and_go(kvfs):
     # Block buffers are the write cache's, bounded by dirty_limit and reused: their
     # pool grows with the peak of concurrent dirty files, which is not metadata.
     grown = (after["rss_bytes"] - after["buffer_bytes"]) - (before["rss_bytes"] - before["buffer_bytes"])
-    # 9,000 files came and went after the warm-up: a leak of 1 KiB per file would be 9 MiB.
-    assert grown < 6 << 20, f"daemon RSS less buffers grew by {grown} bytes over {ROUNDS * FILES} files"
+    # 18,000 files came and went after the warm-up: a leak of 1 KiB per file would be 18 MiB.
+    assert grown < 12 << 20, f"daemon RSS less buffers grew by {grown} bytes over {ROUNDS * FILES} files"
     # The daemon freezes the survivors of full collections (kvfs/gcpolicy.py):
     # frozen objects that die by reference count must leave, or the frozen
     # count would grow with every file that came and went.
