@@ -101,9 +101,9 @@ class ChildCheck:
         # Dropped without a verdict (a load that failed in a way no caller
         # waited through): end the child rather than leave it running.
         if self.pid is not None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                os.close(self._rfd)
-            except OSError:
-                pass
+            for end in (lambda: os.close(self._rfd), lambda: os.kill(self.pid, signal.SIGKILL),
+                        lambda: os.waitpid(self.pid, 0)):
+                try:
+                    end()
+                except OSError:         # each step on its own: a child already gone still has its pipe closed
+                    pass

@@ -110,18 +110,19 @@ class Loaded:
                 self.skipped_records += 1
         return out
 
+    def _slot_off(self, slot):
+        return (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
+
     def _read_header(self, slot):
         """(generation, payload length, digest) of a slot's header; None if it holds no valid one
         (zeroed, or a torn header write)."""
-        off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
-        return schema.decode_checkpoint_header(self.device.pread_sync(off, schema.SECTOR), self.sb.checkpoint_len,
-                                               self.sb.hash_seed)
+        return schema.decode_checkpoint_header(self.device.pread_sync(self._slot_off(slot), schema.SECTOR),
+                                               self.sb.checkpoint_len, self.sb.hash_seed)
 
     def _read_payload(self, slot, header):
         """The slot's payload; None if it fails the header's checksum."""
-        off = (self.sb.checkpoint_a_off, self.sb.checkpoint_b_off)[slot]
         _, length, digest = header
-        payload = self.device.pread_sync(off + schema.SECTOR, length)
+        payload = self.device.pread_sync(self._slot_off(slot) + schema.SECTOR, length)
         return payload if xxhash.xxh64_intdigest(payload, self.sb.hash_seed) == digest else None
 
     def _load_checkpoint(self, decode=True):
