@@ -186,6 +186,11 @@ def test_softpath_reports_every_figure_and_tears_down(tmp_path):
                 # Cold means the device delivered every byte.
                 assert fig["device_bytes_read"] >= expected, (side, name)
         assert run[side]["flush_after_write"]["seconds"] > 0
+        # After the hot pass every page of the first file is cached (the test runs
+        # as root, so the PFNs are readable), whichever folios hold them.
+        cache = run[side]["page_cache"]
+        assert cache["pages"] == mib * MiB // 4096, side
+        assert 0 <= cache["pages_in_large_folios"] <= cache["pages"], side
         # With --repeat 1 the medians are that one run.
         for name in softpath.FIGURES:
             assert out["medians"][side][name]["gbps"] == run[side][name]["gbps"]
@@ -345,3 +350,28 @@ def test_lmcache_compares_odirect_with_odirect(tmp_path):
         assert ratios[name]["value"] == pytest.approx(kvfs["retrieve_gbps"] / ext4["retrieve_gbps"])
         assert kvfs["retrieve_cpu_s_per_gb"] >= 0
     assert_torn_down(tmp_path)
+
+
+def test_page_cache_folios_counts_only_cached_pages(tmp_path):
+    """The folio probe reports a file's cached pages and maps in nothing that is not cached."""
+    benchlib, _ = load_benchlib()
+    path = tmp_path / "probe"
+    if benchlib.mount_info(str(tmp_path))[1] in ("tmpfs", "ramfs"):
+        pytest.skip("tmpfs pages cannot be dropped from the page cache")
+    path.write_bytes(os.urandom(1024 * 4096))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        # Drop the file's pages, then bring back exactly the first 8.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 8 * 4096, 0)
+    finally:
+        os.close(fd)
+    found = benchlib.page_cache_folios(str(path))
+    assert found is not None
+    # Readahead may add some past the 8 (a window of a few hundred KiB at most):
+    # never fewer than 8, never all 1024 (no probe read through the mapping may
+    # fault one in).
+    assert 8 <= found["pages"] < 1024
+    assert 0 <= found["pages_in_large_folios"] <= found["pages"]
+    assert benchlib.page_cache_folios(str(tmp_path / "missing")) is None
