@@ -37,6 +37,7 @@ ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
 EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
                        "dedupdomains": "blockindex",   # the block index's dedup domains
                        "indexcut": "blockindex",   # the block index's part of a checkpoint cut
+                       "blockruns": "blockindex",  # where the block index puts a file's new blocks
                        "pagedrops": "fuseops",    # kernel page drops, sent from the FUSE layer
                        "pagefill": "fuseops",     # kernel page fills, sent from the FUSE layer
                        "fuseloop": "fuseops"}     # pyfuse3's wait for the next request

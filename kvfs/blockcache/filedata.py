@@ -1,10 +1,11 @@
 """A file's live content as the block cache sees it: blocks that are holes, stored keys or dirty buffers."""
+from ..blockruns import Placement
 
 
 class Dirty:
     """A block's bytes in RAM that the device does not have yet."""
 
-    __slots__ = ("buf", "version", "queued", "attempts", "used")
+    __slots__ = ("buf", "version", "queued", "attempts", "used", "placement")
 
     def __init__(self, buf, used=0):
         self.buf = buf                     # zero-filled; bytes past the file's end stay zero
@@ -12,6 +13,9 @@ class Dirty:
         self.version = 0                   # bumped by every write; a flush of an old version is void
         self.queued = False
         self.attempts = 0
+        # Where its last flush put it on the device: while that write is in flight the
+        # file's other blocks are placed by it (BlockIndex.store_blocks, RunHint).
+        self.placement = Placement()
 
 
 class FileData:

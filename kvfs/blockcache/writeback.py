@@ -12,6 +12,7 @@ import logging
 import trio
 
 from ..aligned import new_buffer
+from ..blockruns import Placement, RunHint
 from ..crashpoints import crashpoint
 from ..errors import DedupCollision, DeviceTimeout, KvfsError, NoSpace
 from .filedata import Dirty, FileData, all_zero
@@ -25,6 +26,8 @@ FLUSH_RETRIES = 3
 SMALL_FRACTION = 4
 BATCH_BLOCKS = 32
 BATCH_BYTES = 1 << 20
+# How far a flushed block looks, either way, for blocks of its file to be placed by (_run_hint).
+PLACE_SCAN_BLOCKS = 8
 
 
 class WriteBack:
@@ -236,7 +239,9 @@ class WriteBack:
             jobs.append((filedata, d, idx, length, d.version, memoryview(d.buf)[:length]))
         stored = [job for job in jobs if not all_zero(job[5])]
         outcomes = await self.index.store_blocks([(view, d.buf, filedata.domain)
-                                                  for filedata, d, _, _, _, view in stored]) if stored else []
+                                                  for filedata, d, _, _, _, view in stored],
+                                                 [self._run_hint(filedata, idx, d)
+                                                  for filedata, d, idx, _, _, _ in stored]) if stored else []
         key_of = {id(job): outcome for job, outcome in zip(stored, outcomes)}
         retry = []
         for job in jobs:
@@ -250,6 +255,30 @@ class WriteBack:
             await trio.sleep(0.2 * max(d.attempts for _, d, *_ in retry))
             for filedata, d, *_ in retry:
                 self._enqueue(filedata, d)
+
+    def _run_hint(self, filedata, idx, d):
+        """Block ``idx``'s neighbours in its file, so that the index places it by them (RunHint):
+        flush workers hash in parallel, so block 5 may get its extent before block 4."""
+        blocks = filedata.blocks
+        before = range(idx - 1, max(idx - PLACE_SCAN_BLOCKS, 0) - 1, -1)
+        after = range(idx + 1, min(idx + PLACE_SCAN_BLOCKS, len(blocks)))
+        return RunHint(d.placement, self._placements(blocks, before), self._placements(blocks, after))
+
+    def _placements(self, blocks, indices):
+        """The placements of ``blocks[indices]`` up to the first that is not being written:
+        a stored block (known place: the last one that matters) or a hole (none)."""
+        out = []
+        for j in indices:
+            entry = blocks[j]
+            if isinstance(entry, Dirty):
+                out.append(entry.placement)
+                continue
+            if isinstance(entry, bytes):
+                at = self.index.extent_off(entry)
+                if at is not None:
+                    out.append(Placement(at))
+            break
+        return out
 
     def _flush_failed(self, filedata, d, exc):
         """Count a failed flush of ``d``; True if it is worth trying again."""

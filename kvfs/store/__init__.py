@@ -244,8 +244,9 @@ class ExtentStore:
         """Whole block-sized pieces of free space (see Allocator.slots)."""
         return self.allocator.slots
 
-    def allocate(self, nbytes):
-        return self.allocator.allocate(nbytes)
+    def allocate(self, nbytes, *, follow=None, window=0, lead=0):
+        """A free extent; ``follow``, ``window`` and ``lead`` place a file's blocks in runs (Allocator)."""
+        return self.allocator.allocate(nbytes, follow=follow, window=window, lead=lead)
 
     def allocate_at(self, off, nbytes):
         self.allocator.allocate_at(off, nbytes)

@@ -20,6 +20,19 @@ class Allocator:
     ``slots`` by at most one, so ``k <= slots`` reserved blocks can always be
     allocated. Allocations smaller than a slot are placed, where possible, in
     the spare tail of an extent, so they cost no slot.
+
+    Runs. Plain next-fit interleaves files flushed at the same time (an engine
+    writes several chunks at once), and a file whose blocks are scattered costs
+    a reader one device call per block instead of one per run of adjacent
+    blocks (kvfs/blockcache/reads.py). So a caller may say where its block
+    should go (``follow``: the end of the file's previous block, or where a run
+    already begun leaves room for it; taken when that space is free) and,
+    for a block that starts a run, how much room to leave after it
+    (``window``: the cursor moves past it, so other allocations go elsewhere
+    while the run grows into it). Both are preferences: a window's space is
+    free space like any other, taken once next-fit comes round to it. Either
+    way a piece is cut from a free extent at a whole number of slots from the
+    extent's start, so the invariant above holds for them too.
     """
 
     SMALL_FIT_SCAN = 64          # extents examined for a slot-free home of a small allocation
@@ -48,11 +61,41 @@ class Allocator:
         starts, lengths = state
         return [(s, lengths[s]) for s in starts]
 
-    def allocate(self, nbytes):
+    def allocate(self, nbytes, *, follow=None, window=0, lead=0):
+        """An extent of ``nbytes`` (rounded up to sectors).
+
+        ``follow``, ``window``: see the class. ``lead``: a block that starts a run
+        before ``lead`` blocks of its file that come earlier (their flushes are still
+        hashing) is placed ``lead`` slots into the run, leaving them room.
+        """
         nbytes = schema.align_up(nbytes)
-        count = len(self._starts)
-        first = bisect.bisect_left(self._starts, self._cursor)
+        if follow is not None and self._fits_at(follow, nbytes):
+            self._take(self._starts[bisect.bisect_right(self._starts, follow) - 1], follow, nbytes)
+            return follow
+        if not window or nbytes < self.slot:
+            return self._next_fit(nbytes)
+        gap = lead * self.slot
+        try:
+            start, run = self._find(gap + nbytes)
+        except NoSpace:
+            gap = 0
+            start, run = self._find(nbytes)
+        self._take(start, run + gap, nbytes)
+        self._cursor = run + max(schema.align_up(window), gap + nbytes)
+        return run + gap
+
+    def _fits_at(self, off, nbytes):
+        """Is [off, off+nbytes) free, a whole number of slots into its free extent?"""
+        i = bisect.bisect_right(self._starts, off) - 1
+        if i < 0:
+            return False
+        start = self._starts[i]
+        return (off - start) % self.slot == 0 and start + self._len[start] >= off + nbytes
+
+    def _next_fit(self, nbytes):
         if nbytes < self.slot:
+            count = len(self._starts)
+            first = bisect.bisect_left(self._starts, self._cursor)
             for i in range(min(count, self.SMALL_FIT_SCAN)):
                 start = self._starts[(first + i) % count]
                 if self._len[start] % self.slot >= nbytes:
@@ -60,12 +103,30 @@ class Allocator:
                     off = start + self._len[start] - nbytes
                     self._take(start, off, nbytes)
                     return off
+        start, off = self._find(nbytes)
+        self._take(start, off, nbytes)
+        self._cursor = off + nbytes
+        return off
+
+    def _find(self, nbytes):
+        """Next-fit: (start of the free extent, offset in it) where ``nbytes`` go, from the cursor."""
+        if nbytes >= self.slot:
+            # The cursor inside a free extent (a window's end, or a freed extent that
+            # merged with the one it pointed at): start there, not at the next extent,
+            # rounded up to a whole number of slots from the extent's start so that
+            # the cut leaves its slots whole.
+            i = bisect.bisect_right(self._starts, self._cursor) - 1
+            if i >= 0 and self._starts[i] < self._cursor:
+                start = self._starts[i]
+                off = self._cursor + (start - self._cursor) % self.slot
+                if start + self._len[start] - off >= nbytes:
+                    return start, off
+        count = len(self._starts)
+        first = bisect.bisect_left(self._starts, self._cursor)
         for i in range(count):
             start = self._starts[(first + i) % count]
             if self._len[start] >= nbytes:
-                self._take(start, start, nbytes)
-                self._cursor = start + nbytes
-                return start
+                return start, start
         raise NoSpace(f"no free extent of {nbytes} bytes ({self.free_bytes} bytes free in total)")
 
     def allocate_at(self, off, nbytes):

@@ -200,3 +200,103 @@ def test_small_allocations_keep_whole_slots_when_a_tail_has_room():
     assert a.slots == 3                                          # the tail took them
     a.allocate(S)
     assert a.slots == 2                                          # now one slot had to give
+
+
+# -- runs: follow, window, lead (a file's blocks kept together) -------------------
+
+SLOT = 16 * S
+
+
+def make_slotted(nslots=64):
+    return Allocator(START, nslots * SLOT, slot=SLOT)
+
+
+def test_a_block_follows_its_file_where_that_space_is_free():
+    a = make_slotted()
+    first = a.allocate(SLOT, window=8 * SLOT)
+    assert first == START
+    # Another file's run starts past the first one's window, not right after it.
+    other = a.allocate(SLOT, window=8 * SLOT)
+    assert other == START + 8 * SLOT
+    # The first file's next blocks go on from its block, inside its window...
+    assert a.allocate(SLOT, follow=first + SLOT) == first + SLOT
+    # ...even ahead of a block still on its way (a whole number of slots in).
+    assert a.allocate(SLOT, follow=first + 3 * SLOT) == first + 3 * SLOT
+    assert a.allocate(SLOT, follow=first + 2 * SLOT) == first + 2 * SLOT
+    # A plain allocation (a small file's block) takes the cursor, past both windows.
+    assert a.allocate(SLOT) == START + 16 * SLOT
+    assert a.slots == sum(n // SLOT for _, n in a.extents())
+
+
+def test_follow_is_only_a_preference():
+    a = make_slotted()
+    used = a.allocate(SLOT)
+    # Taken already, cut at a part of a slot, outside the region: next-fit instead.
+    assert a.allocate(SLOT, follow=used) == START + SLOT
+    assert a.allocate(SLOT, follow=START + 3 * SLOT + S) == START + 2 * SLOT
+    assert a.allocate(SLOT, follow=START - SLOT) == START + 3 * SLOT
+    assert a.allocate(SLOT, follow=START + 64 * SLOT) == START + 4 * SLOT
+
+
+def test_a_run_started_late_leaves_room_for_the_blocks_before_it():
+    a = make_slotted()
+    a.allocate(SLOT)                                  # something at the start
+    third = a.allocate(SLOT, window=8 * SLOT, lead=2)
+    assert third == START + 3 * SLOT                  # two free slots before it, in the run
+    assert a.allocate(SLOT, follow=third - 2 * SLOT) == START + SLOT
+    assert a.allocate(SLOT, follow=third - SLOT) == START + 2 * SLOT
+    # The window counts from the run's start.
+    assert a.allocate(SLOT, window=8 * SLOT) == START + 9 * SLOT
+
+
+def test_a_window_is_free_space_once_next_fit_comes_round():
+    a = make_slotted(16)
+    a.allocate(SLOT, window=8 * SLOT)                 # a run that never grows
+    rest = [a.allocate(SLOT) for _ in range(15)]      # everything else, windows included
+    assert sorted(rest) == [START + i * SLOT for i in range(1, 16)]
+    with pytest.raises(NoSpace):
+        a.allocate(SLOT)
+
+
+def test_a_run_that_does_not_fit_with_its_lead_starts_without_it():
+    a = make_slotted(4)
+    a.allocate(SLOT)
+    a.allocate(SLOT)
+    # Two free slots left: no room for a lead of 3 before the block, so no lead.
+    assert a.allocate(SLOT, window=8 * SLOT, lead=3) == START + 2 * SLOT
+
+
+def test_runs_keep_the_slot_invariant_under_random_placement():
+    """Random follows (right, wrong, misaligned), windows, leads and frees: ``slots`` stays
+    exact and no allocation of at most a slot costs more than one (reservations)."""
+    rng = random.Random(11)
+    a = Allocator(START, 512 * SLOT, slot=SLOT)
+    live = []
+    for step in range(4000):
+        if live and (rng.random() < 0.4 or a.slots == 0):
+            off, n = live.pop(rng.randrange(len(live)))
+            a.free(off, n)
+        else:
+            n = rng.choice([S, 5 * S, SLOT, SLOT])
+            kwargs = {}
+            if live and rng.random() < 0.6:
+                base = rng.choice(live)[0]
+                kwargs["follow"] = base + rng.choice([SLOT, 2 * SLOT, -SLOT, S, 3 * SLOT])
+            if rng.random() < 0.5:
+                kwargs["window"] = rng.choice([SLOT, 8 * SLOT])
+                kwargs["lead"] = rng.choice([0, 0, 1, 3])
+            before = a.slots
+            try:
+                off = a.allocate(n, **kwargs)
+            except NoSpace:
+                assert n > max((length for _, length in a.extents()), default=0)
+                continue
+            assert off % S == 0 and START <= off and off + n <= START + 512 * SLOT
+            assert before - a.slots <= 1, f"step {step}: {kwargs} cost {before - a.slots} slots"
+            live.append((off, n))
+        assert a.slots == sum(length // SLOT for _, length in a.extents())
+        assert a.free_bytes == sum(length for _, length in a.extents())
+    promised = a.slots
+    for _ in range(promised):
+        live.append((a.allocate(SLOT, window=8 * SLOT), SLOT))
+    assert a.slots == 0
