@@ -16,7 +16,7 @@ from .filedata import Dirty
 
 log = logging.getLogger(__name__)
 
-PREFETCH_RUN_BLOCKS = 4          # adjacent blocks read with one device call
+PREFETCH_RUN_BLOCKS = 8          # adjacent blocks read with one device call
 
 
 class ReadSide:
