@@ -75,11 +75,13 @@ class Allocator:
         if not window or nbytes < self.slot:
             return self._next_fit(nbytes)
         gap = lead * self.slot
-        try:
-            start, run = self._find(gap + nbytes)
-        except NoSpace:
+        # Room for the lead is looked for among a few extents only: on a fragmented
+        # store a full search would walk every free extent for each such block.
+        found = self._find(gap + nbytes, self.SMALL_FIT_SCAN) if gap else None
+        if found is None:
             gap = 0
-            start, run = self._find(nbytes)
+            found = self._find(nbytes)
+        start, run = found
         self._take(start, run + gap, nbytes)
         self._cursor = run + max(schema.align_up(window), gap + nbytes)
         return run + gap
@@ -108,8 +110,11 @@ class Allocator:
         self._cursor = off + nbytes
         return off
 
-    def _find(self, nbytes):
-        """Next-fit: (start of the free extent, offset in it) where ``nbytes`` go, from the cursor."""
+    def _find(self, nbytes, scan=None):
+        """Next-fit: (start of the free extent, offset in it) where ``nbytes`` go, from the cursor.
+
+        NoSpace if no extent has room; with ``scan``, None if none of the first
+        ``scan`` extents from the cursor has."""
         if nbytes >= self.slot:
             # The cursor inside a free extent (a window's end, or a freed extent that
             # merged with the one it pointed at): start there, not at the next extent,
@@ -123,10 +128,12 @@ class Allocator:
                     return start, off
         count = len(self._starts)
         first = bisect.bisect_left(self._starts, self._cursor)
-        for i in range(count):
+        for i in range(count if scan is None else min(count, scan)):
             start = self._starts[(first + i) % count]
             if self._len[start] >= nbytes:
                 return start, start
+        if scan is not None:
+            return None
         raise NoSpace(f"no free extent of {nbytes} bytes ({self.free_bytes} bytes free in total)")
 
     def allocate_at(self, off, nbytes):

@@ -87,3 +87,22 @@ async def test_placement_with_dedup_and_holes_keeps_every_byte(tmp_path):
             assert await fs.cache.read(holey, idx * BS, BS) == want
         assert fs.index.statistics().dedup_hits >= BLOCKS // 2
     close_and_check(fs)
+
+
+async def test_a_files_short_last_block_follows_it(tmp_path):
+    """A chunk whose size is not a multiple of the block size (LMCache's fs connector puts
+    a 28-byte header in front) must not cost its reader a device call for the tail."""
+    fs = open_fs(mkfs(tmp_path, size=64 << 20))
+    files = [FileData() for _ in range(3)]
+    size = 2 * BS + 28
+    async with running(fs):
+        for off in range(0, size, BS):
+            for n, filedata in enumerate(files):
+                await fs.cache.write(filedata, off, pattern(100 * n + off // BS, min(BS, size - off)))
+        for filedata in files:
+            await fs.cache.flush_file(filedata)
+        for n, filedata in enumerate(files):
+            assert len(filedata.blocks) == 3
+            assert runs_of(fs, filedata) == 1, n
+            assert await fs.cache.read(filedata, 2 * BS, 28) == pattern(100 * n + 2, 28)
+    close_and_check(fs)
