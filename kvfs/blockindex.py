@@ -36,11 +36,11 @@ import xxhash
 
 from . import schema
 from .aligned import SECTOR, align_up
+from .blockruns import RUN_WINDOW_BLOCKS, run_position
 from .crashpoints import crashpoint
 from .dedupdomains import DedupDomains
 from .errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
 from .gcpolicy import release_off_loop
-from .blockruns import RUN_WINDOW_BLOCKS, run_position
 from .indexcut import IndexCut
 from .sharedints import shared
 
