@@ -69,9 +69,12 @@ class Allocator:
         hashing) is placed ``lead`` slots into the run, leaving them room.
         """
         nbytes = schema.align_up(nbytes)
-        if follow is not None and self._fits_at(follow, nbytes):
-            self._take(self._starts[bisect.bisect_right(self._starts, follow) - 1], follow, nbytes)
-            return follow
+        if follow is not None:
+            start = self._free_extent_at(follow)
+            if (start is not None and (follow - start) % self.slot == 0
+                    and start + self._len[start] >= follow + nbytes):
+                self._take(start, follow, nbytes)
+                return follow
         if not window or nbytes < self.slot:
             return self._next_fit(nbytes)
         gap = lead * self.slot
@@ -86,13 +89,12 @@ class Allocator:
         self._cursor = run + max(schema.align_up(window), gap + nbytes)
         return run + gap
 
-    def _fits_at(self, off, nbytes):
-        """Is [off, off+nbytes) free, a whole number of slots into its free extent?"""
+    def _free_extent_at(self, off):
+        """The start of the free extent that holds ``off``, or None."""
         i = bisect.bisect_right(self._starts, off) - 1
-        if i < 0:
-            return False
-        start = self._starts[i]
-        return (off - start) % self.slot == 0 and start + self._len[start] >= off + nbytes
+        if i >= 0 and off < self._starts[i] + self._len[self._starts[i]]:
+            return self._starts[i]
+        return None
 
     def _next_fit(self, nbytes):
         if nbytes < self.slot:
@@ -120,9 +122,8 @@ class Allocator:
             # merged with the one it pointed at): start there, not at the next extent,
             # rounded up to a whole number of slots from the extent's start so that
             # the cut leaves its slots whole.
-            i = bisect.bisect_right(self._starts, self._cursor) - 1
-            if i >= 0 and self._starts[i] < self._cursor:
-                start = self._starts[i]
+            start = self._free_extent_at(self._cursor)
+            if start is not None and start < self._cursor:
                 off = self._cursor + (start - self._cursor) % self.slot
                 if start + self._len[start] - off >= nbytes:
                     return start, off
