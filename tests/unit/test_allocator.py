@@ -162,33 +162,46 @@ def test_store_allocator_matches_the_data_region(tmp_path):
     assert_fsck_clean(path)          # nothing durable changed
 
 
+def churn(a, rng, steps, *, free_share, sizes, placement=None, promise=None):
+    """Random allocations of ``sizes`` (with ``placement(live)``'s keyword arguments, if
+    given) and frees on ``a``, checking after each step that ``slots`` is the exact sum
+    of ``len // slot``, ``free_bytes`` the sum of the free extents, and that no
+    allocation of at most a slot cost more than one; then that as many slot-sized
+    allocations (with ``promise``'s arguments) as ``slots`` says all succeed (what
+    reservations rely on)."""
+    slot, end = a.slot, a.end
+    live = []
+    for step in range(steps):
+        if live and (rng.random() < free_share or a.slots == 0):
+            off, n = live.pop(rng.randrange(len(live)))
+            a.free(off, n)
+        else:
+            n = rng.choice(sizes)
+            kwargs = placement(live) if placement is not None else {}
+            before = a.slots
+            try:
+                off = a.allocate(n, **kwargs)
+            except NoSpace:
+                assert n > max((length for _, length in a.extents()), default=0)
+                continue
+            assert off % S == 0 and START <= off and off + n <= end
+            assert before - a.slots <= 1, f"step {step}: {kwargs} cost {before - a.slots} slots"
+            live.append((off, n))
+        assert a.slots == sum(length // slot for _, length in a.extents())
+        assert a.free_bytes == sum(length for _, length in a.extents())
+    promised = a.slots
+    for _ in range(promised):
+        live.append((a.allocate(slot, **(promise or {})), slot))
+    assert a.slots == 0
+
+
 def test_slots_count_whole_block_pieces_and_reservations_always_fit():
     """Random allocations of at most one slot and frees: ``slots`` stays the exact sum
     of ``len // slot``, an allocation costs at most one slot, and as many slot-sized
     allocations as ``slots`` says always succeed (what reservations rely on)."""
     slot = 16 * S
-    rng = random.Random(7)
-    a = Allocator(START, 1024 * S, slot=slot)
-    live = []
-    for step in range(3000):
-        if live and (rng.random() < 0.45 or a.slots == 0):
-            off, n = live.pop(rng.randrange(len(live)))
-            a.free(off, n)
-        else:
-            n = rng.choice([S, 3 * S, 8 * S, 15 * S, slot])
-            before = a.slots
-            try:
-                off = a.allocate(n)
-            except NoSpace:
-                assert a.slots == 0 or n > max(length for _, length in a.extents())
-                continue
-            assert before - a.slots <= 1, f"step {step}: one allocation cost {before - a.slots} slots"
-            live.append((off, n))
-        assert a.slots == sum(length // slot for _, length in a.extents())
-    promised = a.slots
-    for _ in range(promised):
-        live.append((a.allocate(slot), slot))
-    assert a.slots == 0
+    churn(Allocator(START, 1024 * S, slot=slot), random.Random(7), 3000,
+          free_share=0.45, sizes=[S, 3 * S, 8 * S, 15 * S, slot])
 
 
 def test_small_allocations_keep_whole_slots_when_a_tail_has_room():
@@ -270,33 +283,16 @@ def test_runs_keep_the_slot_invariant_under_random_placement():
     """Random follows (right, wrong, misaligned), windows, leads and frees: ``slots`` stays
     exact and no allocation of at most a slot costs more than one (reservations)."""
     rng = random.Random(11)
-    a = Allocator(START, 512 * SLOT, slot=SLOT)
-    live = []
-    for step in range(4000):
-        if live and (rng.random() < 0.4 or a.slots == 0):
-            off, n = live.pop(rng.randrange(len(live)))
-            a.free(off, n)
-        else:
-            n = rng.choice([S, 5 * S, SLOT, SLOT])
-            kwargs = {}
-            if live and rng.random() < 0.6:
-                base = rng.choice(live)[0]
-                kwargs["follow"] = base + rng.choice([SLOT, 2 * SLOT, -SLOT, S, 3 * SLOT])
-            if rng.random() < 0.5:
-                kwargs["window"] = rng.choice([SLOT, 8 * SLOT])
-                kwargs["lead"] = rng.choice([0, 0, 1, 3])
-            before = a.slots
-            try:
-                off = a.allocate(n, **kwargs)
-            except NoSpace:
-                assert n > max((length for _, length in a.extents()), default=0)
-                continue
-            assert off % S == 0 and START <= off and off + n <= START + 512 * SLOT
-            assert before - a.slots <= 1, f"step {step}: {kwargs} cost {before - a.slots} slots"
-            live.append((off, n))
-        assert a.slots == sum(length // SLOT for _, length in a.extents())
-        assert a.free_bytes == sum(length for _, length in a.extents())
-    promised = a.slots
-    for _ in range(promised):
-        live.append((a.allocate(SLOT, window=8 * SLOT), SLOT))
-    assert a.slots == 0
+
+    def placement(live):
+        kwargs = {}
+        if live and rng.random() < 0.6:
+            base = rng.choice(live)[0]
+            kwargs["follow"] = base + rng.choice([SLOT, 2 * SLOT, -SLOT, S, 3 * SLOT])
+        if rng.random() < 0.5:
+            kwargs["window"] = rng.choice([SLOT, 8 * SLOT])
+            kwargs["lead"] = rng.choice([0, 0, 1, 3])
+        return kwargs
+
+    churn(Allocator(START, 512 * SLOT, slot=SLOT), rng, 4000, free_share=0.4,
+          sizes=[S, 5 * S, SLOT, SLOT], placement=placement, promise={"window": 8 * SLOT})
