@@ -41,7 +41,7 @@ class DeviceError(KvfsError):
 
 class DeviceTimeout(DeviceError):
     """The device did not answer a call within ``io_timeout`` seconds: EIO for the caller.
-    The call's worker thread runs on until the device answers (kvfs/devicecalls.py)."""
+    The call's worker thread runs on until the device answers (kvfs/device/calls.py)."""
 
 
 class DeviceFull(DeviceError):

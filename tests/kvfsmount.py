@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvfs import crashpoints, faults
+from kvfs.base import crashpoints
+from kvfs.device import testfaults as faults
 
 from kvfs.cli import admin as admin_cli
 from kvfs.cli.admin import wait_exited
@@ -91,7 +92,7 @@ def run_tool_in_process(module, *args, check=True):
 
 
 # A daemon log line, as kvfs.cli.setup_logging formats it:
-#   "2025-01-01 12:00:00,123 kvfs[/mnt/point] ERROR kvfs.daemon: message"
+#   "2025-01-01 12:00:00,123 kvfs[/mnt/point] ERROR kvfs.server.daemon: message"
 # Lines that do not match (tracebacks) continue the record above them.
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ "
                        r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<text>.*)$")
@@ -132,7 +133,7 @@ def new_log_records(path):
 class KvfsMount:
     """One kvfs filesystem: a store file plus a mountpoint.
 
-    ``faults``: a fault plan (see kvfs/faults.py) for the daemon's device. It is
+    ``faults``: a fault plan (see kvfs/device/testfaults.py) for the daemon's device. It is
     written to ``root/faults.json`` and handed to every mount as
     ``KVFS_TEST_FAULTS=@root/faults.json``; :meth:`set_faults` replaces it, and
     a running daemon picks the new plan up on its next device call.
@@ -173,7 +174,7 @@ class KvfsMount:
         return run_tool_in_process("mkfs", *args, *extra, self.device)
 
     def mount(self, *options, crash=None):
-        """Mount; ``crash`` ("name" or "name@N", kvfs/crashpoints.py) arms a crash point in this daemon only."""
+        """Mount; ``crash`` ("name" or "name@N", kvfs/base/crashpoints.py) arms a crash point in this daemon only."""
         opts = [*self.mount_options, *options]
         logs = [o.partition("=")[2] for o in opts if o.startswith("log=")]
         if logs:

@@ -1,4 +1,4 @@
-"""Named crash points (kvfs/crashpoints.py, issue 12): the daemon dies at each one, and recovery holds.
+"""Named crash points (kvfs/base/crashpoints.py, issue 12): the daemon dies at each one, and recovery holds.
 
 For every point in CRASH_POINTS: mkfs, mount, write a durable base (fsynced
 files, unfsynced files, deduplicated copies, a rename target, eviction
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from crash_oracle import Oracle, Workload, check_after_remount, dead
-from kvfs.crashpoints import CRASH_POINTS, ENV
+from kvfs.base.crashpoints import CRASH_POINTS, ENV
 from kvfsmount import run_tool
 
 BS = 64 << 10

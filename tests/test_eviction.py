@@ -115,7 +115,7 @@ def test_pins_survive_remounts_and_unpinned_files_go(kvfs_factory):
 
 
 def test_the_kernel_answers_stats_itself_and_forgets_an_evicted_name(kvfs_factory):
-    """The kernel keeps entries and attributes for an hour (kvfs/fuseops.py ENTRY_TIMEOUT), so
+    """The kernel keeps entries and attributes for an hour (kvfs/fuse/ops.py ENTRY_TIMEOUT), so
     repeated stats never reach the daemon; eviction, the one change made behind the kernel's
     back, drops the names it removes from the kernel's cache, so they vanish at once."""
     fs = kvfs_factory(size="1G")

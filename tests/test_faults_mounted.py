@@ -1,4 +1,4 @@
-"""Injected device faults through a real mount (kvfs/faults.py, issues 8 and 12).
+"""Injected device faults through a real mount (kvfs/device/testfaults.py, issues 8 and 12).
 
 The daemon gets its plan from KvfsMount(faults=...) and picks up every
 KvfsMount.set_faults while it runs. What must hold: a slow device does not slow

@@ -31,7 +31,7 @@ MiB = 1 << 20
 FLUSH_FAILED = r"kvfs\.blockcache\.writeback: flushing a block failed"
 SEAL_FAILED = r"kvfs\.namespace\.(durability|__init__): inode \d+: (flush|writing back its content) failed"
 COMMIT_FAILED = r"kvfs\.namespace\.durability: committing metadata failed, will retry"
-TIMED_OUT = r"kvfs\.devicecalls: .* did not return within [\d.]+ s \(io_timeout\)"
+TIMED_OUT = r"kvfs\.device\.calls: .* did not return within [\d.]+ s \(io_timeout\)"
 
 
 def figure(kind, injected, outcome):

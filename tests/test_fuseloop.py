@@ -1,4 +1,4 @@
-"""The daemon's wait for the next FUSE request (kvfs/fuseloop.py), through a real mount.
+"""The daemon's wait for the next FUSE request (kvfs/fuse/loop.py), through a real mount.
 
 Every mounted test runs its requests through it; this one checks that
 concurrent requests are taken from the queue without parking in epoll, that

@@ -77,19 +77,19 @@ def test_daemon_log_lines_are_parsed_from_the_real_formatter(tmp_path):
         import logging
         from kvfs.cli import setup_logging
         setup_logging(path={str(log)!r}, tag="kvfs[/some/mnt]")
-        logging.getLogger("kvfs.daemon").info("mounted")
+        logging.getLogger("kvfs.server.daemon").info("mounted")
         try:
             1 / 0
         except ZeroDivisionError:
             logging.getLogger("kvfs.blockcache").exception("flush failed: EIO")
-        logging.getLogger("kvfs.daemon").critical("giving up")
+        logging.getLogger("kvfs.server.daemon").critical("giving up")
     """)
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
     records = log_records(log.read_text())
     assert [(level, text) for level, text, _ in records] == [
-        ("INFO", "kvfs.daemon: mounted"),
+        ("INFO", "kvfs.server.daemon: mounted"),
         ("ERROR", "kvfs.blockcache: flush failed: EIO"),
-        ("CRITICAL", "kvfs.daemon: giving up")]
+        ("CRITICAL", "kvfs.server.daemon: giving up")]
     assert "ZeroDivisionError" in records[1][2]
 
 
@@ -107,7 +107,7 @@ def daemon_logs(tmp_path, message):
     fs = KvfsMount(tmp_path)
     code = ("import logging; from kvfs.cli import setup_logging; "
             f"setup_logging(path={str(fs.log)!r}, tag='kvfs[x]'); "
-            f"logging.getLogger('kvfs.daemon').error({message!r})")
+            f"logging.getLogger('kvfs.server.daemon').error({message!r})")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 def test_in_process_error():
@@ -122,7 +122,7 @@ def test_in_process_error_other_than_expected():
     logging.getLogger("kvfs.namespace").error("inode 3 names missing blocks")
 
 def test_in_process_warning_and_foreign_error():
-    logging.getLogger("kvfs.daemon").warning("just a warning")
+    logging.getLogger("kvfs.server.daemon").warning("just a warning")
     logging.getLogger("somebody.else").error("not kvfs")
 
 def test_daemon_error(tmp_path):
@@ -159,7 +159,7 @@ def test_unexpected_error_logs_fail_the_test(tmp_path):
         "test_daemon_error_expected": "PASSED",
     }, proc.stdout + proc.stderr
     assert "in-process: ERROR kvfs.namespace: inode 3 names missing blocks" in proc.stdout
-    assert "kvfs.daemon: final checkpoint failed" in proc.stdout
+    assert "kvfs.server.daemon: final checkpoint failed" in proc.stdout
 
 
 def test_files_that_drop_the_page_cache_or_count_kernel_reads_share_one_worker(request):

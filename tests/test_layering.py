@@ -23,31 +23,22 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from kvfs.daemon import MountOptions
-from kvfs.fuseops import KvfsOperations
+from kvfs.server.daemon import MountOptions
+from kvfs.fuse.ops import KvfsOperations
 from kvfs.namespace import ROOT_INO
-from kvfs.stack import Filesystem
+from kvfs.server.stack import Filesystem
 from kvfs.store.mkfs import make_filesystem
 
 KVFS = Path(__file__).resolve().parent.parent / "kvfs"
-LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuseops"]   # lowest first
-GROUND = {"aligned", "crashpoints", "devicecalls", "errors", "gcpolicy", "gilpolicy", "nested", "schema",
-          "sharedints"}
-ASSEMBLERS = {"stack", "daemon", "fsck", "cli", "torch"}
-EXTRA_LAYER_MODULES = {"faults": "device",       # the fault-injecting device wraps the device
-                       "dedupdomains": "blockindex",   # the block index's dedup domains
-                       "indexcut": "blockindex",   # the block index's part of a checkpoint cut
-                       "blockruns": "blockindex",  # where the block index puts a file's new blocks
-                       "pagedrops": "fuseops",    # kernel page drops, sent from the FUSE layer
-                       "pagefill": "fuseops",     # kernel page fills, sent from the FUSE layer
-                       "fuseloop": "fuseops"}     # pyfuse3's wait for the next request
+LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuse"]   # lowest first
+GROUND = {"base", "errors", "schema"}
+ASSEMBLERS = {"server", "cli", "client", "torch"}
 
 
 def top_package(module):
     """'kvfs.blockcache.reads' -> 'blockcache'; 'kvfs' itself -> ''."""
     parts = module.split(".")
-    name = parts[1] if len(parts) > 1 else ""
-    return EXTRA_LAYER_MODULES.get(name, name)
+    return parts[1] if len(parts) > 1 else ""
 
 
 def kvfs_imports():
@@ -188,7 +179,7 @@ async def test_every_call_between_layers_goes_one_layer_down(tmp_path):
         fs.close()
     assert not walk.bad, "calls that skip a layer or run upward:\n" + "\n".join(sorted(set(walk.bad)))
     # And the walk really went all the way down, one layer at a time.
-    assert {("fuseops", "namespace"), ("namespace", "blockcache"), ("blockcache", "blockindex"),
+    assert {("fuse", "namespace"), ("namespace", "blockcache"), ("blockcache", "blockindex"),
             ("blockindex", "store"), ("store", "device")} <= walk.edges, walk.edges
 
 

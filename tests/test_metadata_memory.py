@@ -13,7 +13,7 @@ import os
 from threads import run_in_threads
 
 FILES = 1500
-# The C heap is never trimmed (kvfs/daemon.py, tune_malloc), so the daemon's RSS
+# The C heap is never trimmed (kvfs/server/daemon.py, tune_malloc), so the daemon's RSS
 # follows the heap's high-water mark, which creeps up for a few dozen rounds as
 # allocation patterns vary, then levels off (measured on a 2-core VM: +8 MiB from
 # round 5 to 30, +1.3 MiB from 30 to 60). Four warm-up rounds and six measured
@@ -58,7 +58,7 @@ def test_memory_and_metadata_stay_flat_as_files_come_and_go(kvfs):
     grown = (after["rss_bytes"] - after["buffer_bytes"]) - (before["rss_bytes"] - before["buffer_bytes"])
     # 18,000 files came and went after the warm-up: a leak of 1 KiB per file would be 18 MiB.
     assert grown < 12 << 20, f"daemon RSS less buffers grew by {grown} bytes over {ROUNDS * FILES} files"
-    # The daemon freezes the survivors of full collections (kvfs/gcpolicy.py):
+    # The daemon freezes the survivors of full collections (kvfs/base/gcpolicy.py):
     # frozen objects that die by reference count must leave, or the frozen
     # count would grow with every file that came and went.
     frozen = after["gc_frozen_objects"] - before["gc_frozen_objects"]

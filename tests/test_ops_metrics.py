@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfs import metrics
+from kvfs.server import metrics
 from kvfsmount import run_tool
 
 MiB = 1 << 20
@@ -128,7 +128,7 @@ def test_every_numeric_statistic_is_exported_or_deliberately_not(metered):
     missing = sorted(k for k, v in stats.items()
                      if k not in metrics.METRICS and k not in metrics.NOT_EXPORTED
                      and not isinstance(v, str))
-    assert not missing, f"statistics with no metric (add them to kvfs.metrics.METRICS): {missing}"
+    assert not missing, f"statistics with no metric (add them to kvfs.server.metrics.METRICS): {missing}"
 
 
 def test_metrics_port_in_use_fails_the_mount_with_one_line(kvfs_factory):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import nvmeof
+from kvfs.cli import nvmeof
 from kvfsmount import KvfsMount
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Page fills at open (kvfs/pagefill.py), through a real mount with page_fill=on.
+"""Page fills at open (kvfs/fuse/pagefill.py), through a real mount with page_fill=on.
 
 What must hold: a cold buffered read of a sealed file is served from pages the
 daemon stored into the kernel before it answered the open (no READ reaches the

@@ -9,7 +9,7 @@ in its eyes, after the WRITE has landed, and every reader of a descriptor that
 keeps its pages sees the old bytes for good (the stress test saw such pages:
 old bytes up to a write boundary, new ones after it). kvfs drops the pages
 such a read asked for before it answers the WRITE (kvfs/namespace/pagecache.py,
-kvfs/pagedrops.py).
+kvfs/fuse/pagedrops.py).
 
 Here the WRITE is held in the daemon on purpose: the dirty limit is two blocks,
 another file's two blocks are being flushed to a device that takes 1.5 s per

@@ -315,7 +315,7 @@ def test_symlink_flood_by_a_user_gets_enospc_and_the_store_stays_mountable(share
 
 
 @pytest.mark.expect_errors(
-    r"kvfs\.daemon: could not checkpoint after replay, serving from the journal: metadata \(\d+ bytes\) exceeds the checkpoint slot",
+    r"kvfs\.server\.daemon: could not checkpoint after replay, serving from the journal: metadata \(\d+ bytes\) exceeds the checkpoint slot",
 )
 def test_store_whose_state_already_exceeds_its_checkpoint_slot_mounts(kvfs_factory):
     """A store left by the old code: journal + checkpoint hold more than one slot."""

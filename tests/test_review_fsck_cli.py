@@ -304,7 +304,7 @@ def test_failure_inside_the_daemon_is_one_line_not_an_exception_group(kvfs_facto
     checkpoint slots): the foreground mount.kvfs ends with one 'prog: message' line."""
     import json
     import time
-    from kvfs import faults
+    from kvfs.device import testfaults as faults
     fs = kvfs_factory(size="64M", faults=[])
     fs.mkfs()
     sb = superblock(fs.device)

@@ -332,7 +332,7 @@ def run_side(side, work, threads, list_entries, sample):
     log_rate(side, "stat", out)
     # The same stats again, a while later: what an engine's repeated exists() probes
     # of chunks it has already seen cost (kvfs lets the kernel answer them for an
-    # hour: kvfs/fuseops.py ENTRY_TIMEOUT). The first pass always asks the daemon:
+    # hour: kvfs/fuse/ops.py ENTRY_TIMEOUT). The first pass always asks the daemon:
     # each file's WRITE left its attributes invalid in the kernel.
     time.sleep(max(0.0, STAT_AGAIN_AFTER_S - out["stat"]["seconds"]))
     before = side.stats() if is_kvfs else None

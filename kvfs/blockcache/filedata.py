@@ -1,5 +1,5 @@
 """A file's live content as the block cache sees it: blocks that are holes, stored keys or dirty buffers."""
-from ..blockruns import Placement
+from ..blockindex.runs import Placement
 
 
 class Dirty:

@@ -125,7 +125,7 @@ class ReadSide:
         """Inside, no block buffer whose view :meth:`read` returned is reused.
 
         A read's reply goes out before its read() returns; someone who keeps
-        the views longer (kvfs/pagefill.py sends them from threads) holds them
+        the views longer (kvfs/fuse/pagefill.py sends them from threads) holds them
         in here, and evicted buffers wait in quarantine until it is left.
         """
         seq = self._read_seq

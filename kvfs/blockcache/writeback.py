@@ -11,9 +11,9 @@ import logging
 
 import trio
 
-from ..aligned import new_buffer
-from ..blockruns import Placement, RunHint
-from ..crashpoints import crashpoint
+from ..base.aligned import new_buffer
+from ..base.crashpoints import crashpoint
+from ..blockindex.runs import Placement, RunHint
 from ..errors import DedupCollision, DeviceTimeout, KvfsError, NoSpace
 from .filedata import Dirty, FileData, all_zero
 

@@ -16,8 +16,9 @@ import shlex
 import sys
 import time
 
-from .. import metrics, nvmeof
 from ..errors import AccessDenied, InvalidArgument, KvfsError, NotFound, NotPermitted, TimedOut, os_error
+from ..server import metrics
+from . import nvmeof
 from . import Parser, evict, progress, tool
 from .views import TopScreen, human, print_all, summary, watch
 

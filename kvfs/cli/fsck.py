@@ -1,7 +1,7 @@
 """fsck.kvfs: offline check (and repair) of a kvfs device."""
 import sys
 
-from ..fsck import check
+from ..server.fsck import check
 from . import Parser, tool
 from .progress import Progress
 

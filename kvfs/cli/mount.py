@@ -10,13 +10,13 @@ import sys
 
 import trio
 
-from .. import crashpoints
+from ..base import crashpoints
+from ..base.gcpolicy import frozen_when_loaded
 from ..blockindex import DedupDomains
-from ..daemon import Daemon, Filesystem, MountOptions
-from ..gcpolicy import frozen_when_loaded
-from ..stack import check_mountable
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
 from ..namespace.policy import POLICIES
+from ..server.daemon import Daemon, Filesystem, MountOptions
+from ..server.stack import check_mountable
 from ..store import MmpSettings, mmp
 from ..store.mkfs import make_filesystem
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
@@ -222,7 +222,7 @@ def mmp_settings(options):
 
 
 def run_daemon(device, mountpoint, options, ready, settings=None):
-    with frozen_when_loaded():          # see kvfs/gcpolicy.py
+    with frozen_when_loaded():          # see kvfs/base/gcpolicy.py
         fs = Filesystem.open(device, options, mmp=settings or mmp_settings(options))
     try:
         logging.getLogger(__name__).info("mounted %s at %s (journal replay: %s)",

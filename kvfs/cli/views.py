@@ -6,7 +6,7 @@ Formatting over the statistics dict the daemon returns; ``watch`` and
 import os
 import time
 
-from .. import metrics
+from ..server import metrics
 
 
 def human(n):

@@ -19,7 +19,7 @@ import time
 import trio
 
 from .. import schema
-from ..crashpoints import armed, crashpoint
+from ..base.crashpoints import armed, crashpoint
 from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability

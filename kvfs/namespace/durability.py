@@ -12,9 +12,9 @@ import time
 import trio
 
 from .. import schema
+from ..base.gcpolicy import collections_paused, release_off_loop
+from ..base.gilpolicy import loop_first
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
-from ..gcpolicy import collections_paused, release_off_loop
-from ..gilpolicy import loop_first
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from operator import attrgetter
 from stat import S_IFREG
 
 from .. import schema
-from ..crashpoints import crashpoint
+from ..base.crashpoints import crashpoint
 from ..errors import InvalidArgument
 from .inodes import names_of
 from .policy import DEFAULT_POLICY, POLICIES
@@ -56,7 +56,7 @@ class Evictor:
         self.evictions = self.evicted_bytes = 0
         self.tree.on_drop = self.forget
         # Called with (parent, name, ino) for each name eviction removes: the FUSE layer
-        # drops it from the kernel's dentry cache (kvfs/fuseops.py). None: not mounted.
+        # drops it from the kernel's dentry cache (kvfs/fuse/ops.py). None: not mounted.
         self.entry_removed = None
 
     # -- what the policy hears -----------------------------------------------

@@ -4,7 +4,7 @@ import bisect
 import dataclasses
 import stat
 
-from ..sharedints import shared
+from ..base.sharedints import shared
 
 _new_object = object.__new__
 
@@ -289,7 +289,7 @@ def _rare(name, default):
 
 
 def _shared_values(column):
-    """{value: its shared int} for each distinct value of ``column`` (kvfs/sharedints.py)."""
+    """{value: its shared int} for each distinct value of ``column`` (kvfs/base/sharedints.py)."""
     return {value: shared(value) for value in set(column)}
 
 
@@ -321,7 +321,7 @@ class Inode:
 
     def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
         self._rare = None
-        # Modes and owners repeat across files: one int object each (kvfs/sharedints.py).
+        # Modes and owners repeat across files: one int object each (kvfs/base/sharedints.py).
         self.ino, self.mode, self.uid, self.gid = ino, shared(mode), shared(uid), shared(gid)
         if rdev:
             self.rdev = rdev

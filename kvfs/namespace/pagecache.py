@@ -69,7 +69,7 @@ the reply when the WRITE does not cover it whole and it was not up to date, so
 dropping it before the reply would wait for itself. Such a page was not up to
 date, so no reader cached older bytes in it unless it was dropped twice in the
 window; it is dropped only if a noted read covered it. Every drop has a time
-limit (kvfs/pagedrops.py) after which the reply goes out and the drop completes.
+limit (kvfs/fuse/pagedrops.py) after which the reply goes out and the drop completes.
 """
 import os
 
@@ -121,7 +121,7 @@ class KernelPages:
 
     def page_fill_size(self, fh, most):
         """How many bytes of the file open at ``fh`` the FUSE layer should place in the
-        kernel's page cache before it answers the open (kvfs/pagefill.py), or 0.
+        kernel's page cache before it answers the open (kvfs/fuse/pagefill.py), or 0.
 
         Only a cold read-only open of a file nobody writes: its bytes are then fixed
         until a writer's open, or a truncate, which the FUSE layer holds back until

@@ -28,9 +28,9 @@ from stat import S_IFDIR, S_IFREG
 from typing import Protocol
 
 from .. import schema
+from ..base.sharedints import shared
 from ..blockcache import FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
-from ..sharedints import shared
 from .contentindex import ContentIndex
 from .cut import TreeCut
 from .idle import build_live_data

@@ -111,7 +111,7 @@ def _load_file(tree, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payl
 def _load_inode(tree, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payload):
     """A checkpoint row of any other type (directory, symlink, node), as an Inode."""
     # msgpack decodes every int above 256 into an object of its own: modes
-    # and owners (Inode shares them) repeat (kvfs/sharedints.py).
+    # and owners (Inode shares them) repeat (kvfs/base/sharedints.py).
     inode = Inode(ino, mode, uid, gid, rdev)
     atime = mtime if atime == mtime else atime
     ctime = mtime if ctime == mtime else ctime

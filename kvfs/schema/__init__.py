@@ -22,8 +22,8 @@ from .layout import (CHECKPOINT_HEADER, CHECKPOINT_HEADER_FIELDS, JOURNAL_FRAME_
                      MMP_RECORD_FIELDS, MMP_STATES, MmpRecord)
 from .records import (RECORD_TYPES, Attrs, BlockRef, BlockRow, CheckpointState, Content,
                       InodeRow, Link, Make, Move, Remove, decode_record)
+from ..base.aligned import SECTOR, align_down, align_up
 from .writer import CheckpointWriter, write_state
-from ..aligned import SECTOR, align_down, align_up
 
 __all__ = [
     "CHECKPOINT_HEADER_FIELDS",

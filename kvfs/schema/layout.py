@@ -42,7 +42,7 @@ import uuid as uuidlib
 
 import xxhash
 
-from ..aligned import SECTOR, align_down, align_up
+from ..base.aligned import SECTOR, align_down, align_up
 from ..errors import FormatError
 
 MAGIC_SUPERBLOCK = b"KVFSSUPR"

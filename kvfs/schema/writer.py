@@ -33,7 +33,7 @@ import struct
 
 import msgpack
 
-from ..aligned import align_up
+from ..base.aligned import align_up
 from ..errors import InternalError
 
 KEY_ORDER = ("next_ino", "inodes", "provisional", "pinned", "blocks", "free")

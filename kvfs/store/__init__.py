@@ -19,7 +19,7 @@ runs :meth:`ExtentStore.keep_heartbeat`. When the heartbeat finds another owner,
 or cannot be written, the store fences its device: from then on every write,
 commit and checkpoint fails with :class:`~kvfs.errors.Fenced` (EROFS).
 
-Device calls the device never answered (io_timeout, kvfs/devicecalls.py) may still
+Device calls the device never answered (io_timeout, kvfs/device/calls.py) may still
 land later. So an extent is given back to the allocator only once no abandoned call
 can still write to it, and a journal or checkpoint call that was abandoned stops
 all writes (:class:`~kvfs.errors.DeviceFailed`, EIO): a later frame or slot written
@@ -32,7 +32,8 @@ import msgpack
 import trio
 
 from .. import schema
-from ..crashpoints import crashpoint, die, reached
+from ..device.verified import BlockCheck, read_block_verified_sync, read_run_verified_sync  # noqa: F401 (BlockCheck: for the index)
+from ..base.crashpoints import crashpoint, die, reached
 from ..errors import Busy, DeviceFailed, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from . import mmp as mmp_protocol
 from .allocator import Allocator
@@ -286,17 +287,17 @@ class ExtentStore:
         """Write several allocated extents in one device call: per write None or its KvfsError."""
         return await self.device.pwrite_each(writes)
 
-    def read_extent_sync(self, off, length, buf=None):
-        """Read an extent's bytes; call it in a worker thread (see :meth:`run`)."""
-        return self.device.read_block_sync(off, length, buf)
+    def read_verified_sync(self, off, check, buf, keyed):
+        """Read one extent and check it (kvfs/device/verified.py): its view, or None. Worker thread."""
+        return read_block_verified_sync(self.device, off, check, buf, keyed)
 
-    def read_extents_sync(self, off, lengths, bufs):
-        """Read a run of adjacent extents in one device call (worker thread)."""
-        return self.device.read_blocks_sync(off, lengths, bufs)
+    async def read_verified(self, off, check, buf, keyed):
+        """:meth:`read_verified_sync` in a device worker thread."""
+        return await self.device.run(read_block_verified_sync, self.device, off, check, buf, keyed, writes=False)
 
-    async def run(self, fn, *args):
-        """Run blocking work (a read and its verification) in a device worker thread."""
-        return await self.device.run(fn, *args, writes=False)
+    async def read_run_verified(self, off, checks, bufs, keyed):
+        """Adjacent extents from ``off``, one device call, each checked: per extent its view or None."""
+        return await self.device.run(read_run_verified_sync, self.device, off, checks, bufs, keyed, writes=False)
 
     # -- journal ------------------------------------------------------------
     def append(self, record):

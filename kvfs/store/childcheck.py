@@ -7,7 +7,7 @@ checks are pure functions of the payload. So once the payload is read and its
 checksum verified, a child is forked to run them over the same bytes (shared
 copy-on-write), and the parent decodes the rows unchecked and builds the block
 index and the namespace meanwhile. Nothing built is used before the verdict:
-``Loaded.confirm_checked`` waits for it (kvfs/stack.py, at the end of replay,
+``Loaded.confirm_checked`` waits for it (kvfs/server/stack.py, at the end of replay,
 and first when the build raised), and a refused checkpoint fails the mount
 with the same message the in-process check gives.
 

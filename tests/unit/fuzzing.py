@@ -20,7 +20,7 @@ import stat
 import trio
 from hypothesis import HealthCheck, settings
 
-from kvfs import fsck
+from kvfs.server import fsck
 from kvfs.errors import InternalError, KvfsError
 from kvfs.namespace import ROOT_INO
 

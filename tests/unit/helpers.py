@@ -14,11 +14,12 @@ import trio.testing
 
 import time
 
-from kvfs import faults as kvfs_faults
-from kvfs import fsck, schema
-from kvfs.daemon import MountOptions
+from kvfs import schema
+from kvfs.device import testfaults as kvfs_faults
+from kvfs.server import fsck
+from kvfs.server.daemon import MountOptions
 from kvfs.namespace import ROOT_INO
-from kvfs.stack import Filesystem
+from kvfs.server.stack import Filesystem
 from kvfs.store.mkfs import make_filesystem
 
 BS = 64 << 10                 # smallest legal block size: keeps the tests fast
@@ -53,12 +54,12 @@ def options(*, cache_size=32 * BS, dirty_limit=16 * BS, read_depth=8, flush_work
 
 
 def slow_writes(seconds):
-    """A fault plan (kvfs/faults.py) that delays every device write by ``seconds``."""
+    """A fault plan (kvfs/device/testfaults.py) that delays every device write by ``seconds``."""
     return [{"op": "write", "effect": "delay", "seconds": seconds}]
 
 
 def open_fs(path, *, now=None, readonly=False, faults=None, **kw):
-    """The whole stack over ``path``, built by ``kvfs.stack.Filesystem.open`` as the daemon builds it.
+    """The whole stack over ``path``, built by ``kvfs.server.stack.Filesystem.open`` as the daemon builds it.
 
     ``now`` is the namespace's clock (a :class:`Clock` for deterministic
     timestamps); without it the real clock is used. ``faults`` is a fault

@@ -8,7 +8,7 @@ file's blocks already placed (kvfs/blockcache/writeback.py, ``_place``), inside 
 window the allocator leaves after a run's first block (kvfs/store/allocator.py).
 """
 from kvfs.blockcache import FileData
-from kvfs.blockruns import RUN_WINDOW_BLOCKS
+from kvfs.blockindex.runs import RUN_WINDOW_BLOCKS
 
 from .helpers import BS, close_and_check, mkfs, open_fs, pattern, running
 

@@ -6,7 +6,7 @@ import os
 
 import trio
 
-from kvfs import faults as kvfs_faults
+from kvfs.device import testfaults as kvfs_faults
 from kvfs.namespace import ROOT_INO
 
 from .helpers import (BS, assert_fsck_clean, mkfs, open_fs, pattern, poke, read_all, running, wait_until,

@@ -1,4 +1,4 @@
-"""kvfs/crashpoints.py: parsing $KVFS_TEST_CRASH, the Nth arrival, and the death itself.
+"""kvfs/base/crashpoints.py: parsing $KVFS_TEST_CRASH, the Nth arrival, and the death itself.
 
 The death is os._exit, so it is watched in a child process; everything else runs here.
 """
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvfs import crashpoints
+from kvfs.base import crashpoints
 from kvfs.errors import InvalidArgument
 
 
@@ -45,7 +45,7 @@ def test_unarmed_and_other_points_do_nothing():
 
 
 def child(script, env_value):
-    code = "from kvfs import crashpoints\ncrashpoints.arm_from_environment()\n" + script
+    code = "from kvfs.base import crashpoints\ncrashpoints.arm_from_environment()\n" + script
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", crashpoints.ENV: env_value})
 

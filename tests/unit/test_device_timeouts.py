@@ -1,4 +1,4 @@
-"""Every wait on the device has a bound (io_timeout, kvfs/devicecalls.py), and the device's
+"""Every wait on the device has a bound (io_timeout, kvfs/device/calls.py), and the device's
 errors are counted by kind.
 
 A "stall" fault far longer than io_timeout stands for a hung NVMe path: the caller gets
@@ -14,10 +14,10 @@ import time
 import pytest
 import trio
 
-from kvfs import faults
+from kvfs.device import testfaults as faults
 from kvfs.device import Device
 from kvfs.errors import DeviceFailed, DeviceTimeout, KvfsError
-from kvfs.faults import FaultyDevice
+from kvfs.device.testfaults import FaultyDevice
 from kvfs.namespace import ROOT_INO
 
 from .helpers import (BS, DEV_SIZE, assert_fsck_clean, lookup_path, mkfs, open_fs, pattern, read_all, running,
@@ -29,7 +29,7 @@ OFF = DEV_SIZE - 64 * S          # raw device tests write only here, at the end 
 TIMEOUT = 0.5
 STALL = 4.0
 
-pytestmark = pytest.mark.expect_errors(r"kvfs\.devicecalls: .* did not return within 0\.5 s \(io_timeout\)")
+pytestmark = pytest.mark.expect_errors(r"kvfs\.device\.calls: .* did not return within 0\.5 s \(io_timeout\)")
 
 
 @pytest.fixture
@@ -286,7 +286,7 @@ async def test_a_data_write_past_io_timeout_fails_the_flush_and_keeps_its_extent
 
 
 @pytest.mark.expect_errors(r"kvfs\.store: .*a journal or checkpoint write \(pwrite_sync\) did not complete",
-                           r"kvfs\.devicecalls: ")
+                           r"kvfs\.device\.calls: ")
 async def test_a_journal_write_past_io_timeout_stops_all_writes(store, plan_file):
     fs = open_fs(store, io_timeout=TIMEOUT)
     sb = fs.store.sb

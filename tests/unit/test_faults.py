@@ -1,4 +1,4 @@
-"""kvfs.faults in-process: each injected effect, over the real Device on a real store file.
+"""kvfs.device.testfaults in-process: each injected effect, over the real Device on a real store file.
 
 No FUSE here. The wrapper sits under Device's own code, so these tests also
 show that Device's checks (short transfers, failed calls) and the block
@@ -13,11 +13,11 @@ import time
 import pytest
 import trio
 
-from kvfs import faults
-from kvfs.daemon import Filesystem
+from kvfs.device import testfaults as faults
+from kvfs.server.daemon import Filesystem
 from kvfs.device import Device
 from kvfs.errors import CorruptBlock, DeviceError, KvfsError
-from kvfs.faults import FaultyDevice, parse_plan
+from kvfs.device.testfaults import FaultyDevice, parse_plan
 from kvfs.namespace import ROOT_INO
 
 from .helpers import BS, DEV_SIZE, assert_fsck_clean, mkfs, open_fs, options, pattern, read_all, running, \

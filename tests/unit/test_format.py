@@ -5,7 +5,8 @@ import struct
 import pytest
 import xxhash
 
-from kvfs import fsck, schema
+from kvfs import schema
+from kvfs.server import fsck
 from kvfs.device import Device
 from kvfs.errors import FormatError, KvfsError
 from kvfs.store import ExtentStore, read_superblock

@@ -12,7 +12,7 @@ import hashlib
 import pytest
 import trio
 
-from kvfs import fsck
+from kvfs.server import fsck
 from kvfs.errors import Busy, FormatError
 from kvfs.namespace import ROOT_INO
 

@@ -1,4 +1,4 @@
-"""RequestWait (kvfs/fuseloop.py): pyfuse3's wait for the next request, in-process.
+"""RequestWait (kvfs/fuse/loop.py): pyfuse3's wait for the next request, in-process.
 
 The "connection" is a pipe: poll() and trio's epoll treat its read end as they
 treat /dev/fuse (readable while something is queued). Mounted, every test of
@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvfs.fuseloop import PYFUSE3_VERSIONS, SKIPS_BETWEEN_CHECKPOINTS, RequestWait
+from kvfs.fuse.loop import PYFUSE3_VERSIONS, SKIPS_BETWEEN_CHECKPOINTS, RequestWait
 
 
 async def answer_into(answers, wait):

@@ -13,11 +13,11 @@ import pyfuse3
 import pytest
 import trio
 
-from kvfs.daemon import MountOptions
+from kvfs.server.daemon import MountOptions
 from kvfs.errors import InternalError
-from kvfs.fuseops import CONTROL_XATTR, STATS_XATTR, KvfsOperations
+from kvfs.fuse.ops import CONTROL_XATTR, STATS_XATTR, KvfsOperations
 from kvfs.namespace import BY_HASH_INO, KEY_XATTR, ROOT_INO
-from kvfs.stack import Filesystem
+from kvfs.server.stack import Filesystem
 from kvfs.store.mkfs import make_filesystem
 
 ROOT = types.SimpleNamespace(uid=0, gid=0, pid=1, umask=0o022)
@@ -77,7 +77,7 @@ async def test_kvfs_errors_become_their_errno(ops):
     assert fuse_errno(e) == errno.EBADF
 
 
-@pytest.mark.expect_errors(r"kvfs\.fuseops: bug in statfs", r"kvfs\.fuseops: internal error in statfs")
+@pytest.mark.expect_errors(r"kvfs\.fuse\.ops: bug in statfs", r"kvfs\.fuse\.ops: internal error in statfs")
 async def test_a_bug_is_eio_and_logged_never_a_crash(ops, monkeypatch, caplog):
     def broken(*args):
         raise InternalError("invariant broken on purpose")
@@ -90,12 +90,12 @@ async def test_a_bug_is_eio_and_logged_never_a_crash(ops, monkeypatch, caplog):
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.statfs(ROOT)
     assert fuse_errno(e) == errno.EIO
-    logged = [r for r in caplog.records if r.name == "kvfs.fuseops" and r.levelname == "ERROR"]
+    logged = [r for r in caplog.records if r.name == "kvfs.fuse.ops" and r.levelname == "ERROR"]
     assert len(logged) == 2 and "bug in statfs" in logged[0].getMessage()
     caplog.clear()                      # these two errors were the point of the test
 
 
-@pytest.mark.expect_errors(r"kvfs\.fuseops: bug in lookup", r"kvfs\.fuseops: internal error in getattr")
+@pytest.mark.expect_errors(r"kvfs\.fuse\.ops: bug in lookup", r"kvfs\.fuse\.ops: internal error in getattr")
 async def test_lookup_and_getattr_map_errors_as_every_handler_does(ops, monkeypatch, caplog):
     """The two map their errors themselves (no second coroutine a request); same errnos, same logs."""
     with pytest.raises(pyfuse3.FUSEError) as e:
@@ -116,7 +116,7 @@ async def test_lookup_and_getattr_map_errors_as_every_handler_does(ops, monkeypa
     with pytest.raises(pyfuse3.FUSEError) as e:
         await ops.getattr(ROOT_INO, ROOT)
     assert fuse_errno(e) == errno.EIO
-    logged = [r.getMessage() for r in caplog.records if r.name == "kvfs.fuseops" and r.levelname == "ERROR"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvfs.fuse.ops" and r.levelname == "ERROR"]
     assert logged == ["bug in lookup", "internal error in getattr"]
     caplog.clear()
 

@@ -32,11 +32,12 @@ import trio
 import xxhash
 from hypothesis import example, given, strategies as st
 
-from kvfs import fsck, schema
+from kvfs import schema
+from kvfs.server import fsck
 from kvfs.device import Device
 from kvfs.errors import FormatError
 from kvfs.namespace import ROOT_INO
-from kvfs.stack import load_tree
+from kvfs.server.stack import load_tree
 from kvfs.store.loader import load
 
 from .fuzzing import COUNTS, FUZZ, Image, attempt, check_everything, count_case, summary

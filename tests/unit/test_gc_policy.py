@@ -1,4 +1,4 @@
-"""kvfs.gcpolicy: full collections walk only what was created since the last one.
+"""kvfs.base.gcpolicy: full collections walk only what was created since the last one.
 
 Deterministic: the collector's generations are observed with gc.get_objects and
 gc.get_freeze_count, never timed. The policy is always uninstalled at the end,
@@ -10,8 +10,8 @@ import weakref
 
 import pytest
 
-from kvfs import gcpolicy
-from kvfs.gcpolicy import FreezeAfterFullCollections, collections_paused
+from kvfs.base import gcpolicy
+from kvfs.base.gcpolicy import FreezeAfterFullCollections, collections_paused
 from kvfs.namespace import ROOT_INO
 
 from .helpers import close_and_check, mkfs, open_fs, running, write_file

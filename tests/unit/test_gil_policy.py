@@ -1,8 +1,8 @@
-"""kvfs.gilpolicy: the switch interval is lowered inside loop_first sections and restored after the last."""
+"""kvfs.base.gilpolicy: the switch interval is lowered inside loop_first sections and restored after the last."""
 import sys
 import threading
 
-from kvfs.gilpolicy import LOOP_FIRST_INTERVAL, loop_first
+from kvfs.base.gilpolicy import LOOP_FIRST_INTERVAL, loop_first
 
 
 def test_loop_first_lowers_the_switch_interval_and_restores_it():

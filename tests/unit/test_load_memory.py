@@ -80,7 +80,7 @@ def test_sizes_modes_and_block_lengths_written_live_share_one_object(tmp_path):
 
 
 def test_shared_ints_are_bounded_and_only_ints(monkeypatch):
-    from kvfs import sharedints
+    from kvfs.base import sharedints
     monkeypatch.setattr(sharedints, "_seen", {})          # a table of its own, which it fills
     assert sharedints.shared(True) is True and sharedints.shared(4096.0) == 4096.0
     assert type(sharedints.shared(4096.0)) is float

@@ -13,12 +13,13 @@ import time
 
 import pytest
 import trio
+import xxhash
 
-from kvfs import faults as kvfs_faults
 from kvfs import schema
 from kvfs.device import Device
+from kvfs.device import testfaults as kvfs_faults
 from kvfs.errors import Busy, Fenced, FormatError
-from kvfs.store import ExtentStore, MmpSettings, mmp
+from kvfs.store import BlockCheck, ExtentStore, MmpSettings, mmp
 from kvfs.store.loader import read_superblock
 
 from .helpers import mkfs, poke
@@ -263,7 +264,12 @@ async def test_a_fenced_store_refuses_every_write_but_still_reads(tmp_path, capl
                                                                 provisional=[]))):
             with pytest.raises(Fenced):
                 await attempt
-        assert bytes(store.read_extent_sync(off, schema.SECTOR)) == b"k" * schema.SECTOR
+        keyed = xxhash.xxh3_128(seed=store.hash_seed)
+        keyed.update(store.key_secret)
+        expected = keyed.copy()
+        expected.update(b"k" * schema.SECTOR)
+        check = BlockCheck(schema.SECTOR, expected.digest(), b"")
+        assert bytes(await store.read_verified(off, check, None, keyed)) == b"k" * schema.SECTOR
         stats = store.mmp_statistics()
         assert stats["mmp_fenced"] == 1 and stats["mmp"].startswith("fenced: a test says so")
         before = mmp.read_record(device, store.sb)[0]

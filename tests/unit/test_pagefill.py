@@ -1,4 +1,4 @@
-"""PageFiller (kvfs/pagefill.py) in-process: what it sends the kernel, and its fence.
+"""PageFiller (kvfs/fuse/pagefill.py) in-process: what it sends the kernel, and its fence.
 
 The FUSE connection is a SOCK_SEQPACKET socket pair here, so each notification
 the filler writes arrives as one record, which the test parses as the kernel
@@ -14,8 +14,8 @@ import trio
 import trio.testing
 
 from kvfs.namespace import ROOT_INO
-from kvfs.pagedrops import FUSE_NOTIFY_INVAL_INODE, KernelPageDropper
-from kvfs.pagefill import FILL_WAIT_S, FUSE_NOTIFY_STORE, PageFiller
+from kvfs.fuse.pagedrops import FUSE_NOTIFY_INVAL_INODE, KernelPageDropper
+from kvfs.fuse.pagefill import FILL_WAIT_S, FUSE_NOTIFY_STORE, PageFiller
 
 from .helpers import BS, close_and_check, mkfs, open_fs, pattern, running, write_file
 

@@ -1,7 +1,7 @@
 """Progress lines of long work (fsck's read-back, flush, evict) on a terminal."""
 import io
 
-from kvfs import fsck
+from kvfs.server import fsck
 from kvfs.cli import progress
 
 from kvfs.namespace import ROOT_INO

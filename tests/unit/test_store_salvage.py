@@ -2,7 +2,8 @@
 import pytest
 import trio
 
-from kvfs import fsck, schema
+from kvfs import schema
+from kvfs.server import fsck
 from kvfs.device import Device
 from kvfs.errors import FormatError
 from kvfs.store import ExtentStore

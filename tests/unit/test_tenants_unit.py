@@ -10,7 +10,7 @@ import os
 import pytest
 import xxhash
 
-from kvfs import fsck
+from kvfs.server import fsck
 from kvfs.blockindex import DedupDomains
 from kvfs.errors import CorruptBlock, DedupCollision, InvalidArgument
 from kvfs.namespace import ROOT_INO

@@ -17,7 +17,7 @@ from kvfs.namespace import ROOT_INO, treeload
 from kvfs.namespace.inodes import Inode
 from kvfs.namespace.tree import Tree
 from kvfs.schema.stream import decode_streaming
-from kvfs.stack import IndexRefs
+from kvfs.server.stack import IndexRefs
 
 from .helpers import BS, close_and_check, mkfs, open_fs, running, write_file
 
@@ -77,7 +77,7 @@ def _compare_loads(fs, rows):
         for slot in Inode.__slots__:
             assert getattr(fast, slot) == getattr(slow, slot), (ino, slot)
         assert fast.rdev == slow.rdev and fast.committed == slow.committed
-        # The same memory too: shared ints (kvfs/sharedints.py), equal timestamps as one object.
+        # The same memory too: shared ints (kvfs/base/sharedints.py), equal timestamps as one object.
         for slot in ("mode", "uid", "gid", "size_committed"):
             assert getattr(fast, slot) is getattr(slow, slot), (ino, slot)
         assert (fast.atime is fast.mtime, fast.ctime is fast.mtime) == (slow.atime is slow.mtime,

@@ -1,4 +1,4 @@
-"""The block index's part of a checkpoint cut (split out of kvfs/blockindex.py).
+"""The block index's part of a checkpoint cut (split out of kvfs/blockindex/__init__.py).
 
 The block rows at a checkpoint's cut, copy-on-write like kvfs/namespace/cut.py's
 TreeCut. Only ``refs`` of an entry ever changes (its extent and domain are fixed
@@ -26,7 +26,7 @@ first change, when it has none: 0 either way, the cut's value.
 """
 import itertools
 
-from . import schema
+from .. import schema
 
 
 class IndexCut:

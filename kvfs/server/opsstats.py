@@ -13,7 +13,7 @@ import time
 
 import trio
 
-from .device import READ_LATENCY_BOUNDS
+from ..device import READ_LATENCY_BOUNDS
 
 SAMPLE_INTERVAL = 1.0
 WINDOW = 5                 # samples kept: rates cover the last 5..6 seconds

@@ -1,4 +1,4 @@
-"""Injected device faults, for tests: a wrapper around a real, open Device.
+"""Injected device faults, for tests only: a wrapper around a real, open Device.
 
 ``FaultyDevice(device, plan)`` takes over an open :class:`kvfs.device.Device`
 by interposing on its system calls (``Device._sys_preadv`` and ``_sys_preadv_many``, ``_sys_pwrite``,
@@ -70,9 +70,9 @@ import random
 import threading
 import time
 
-from .aligned import SECTOR
-from .device import Device
-from .errors import InvalidArgument, KvfsError
+from ..base.aligned import SECTOR
+from ..errors import InvalidArgument, KvfsError
+from . import Device
 
 log = logging.getLogger(__name__)
 

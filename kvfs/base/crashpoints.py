@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

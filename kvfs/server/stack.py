@@ -10,20 +10,20 @@ import os
 import stat
 import time
 
-from . import faults
-from .blockcache import BlockCache
-from .blockindex import BlockIndex
-from .device import Device
-from .errors import DeviceFailed, FormatError, KvfsError
-from .gcpolicy import collections_paused
-from .namespace import Namespace, Tree
-from .store import ExtentStore, probe_mountable
+from ..base.gcpolicy import collections_paused
+from ..blockcache import BlockCache
+from ..blockindex import BlockIndex
+from ..device import testfaults as faults
+from ..device import Device
+from ..errors import DeviceFailed, FormatError, KvfsError
+from ..namespace import Namespace, Tree
+from ..store import ExtentStore, probe_mountable
 
 log = logging.getLogger(__name__)
 
 
 def open_device(path, *, readonly=False, retry_window=0.0, timeout=60.0):
-    """The device at ``path``; under a test fault plan ($KVFS_TEST_FAULTS, kvfs/faults.py) wrapped in it."""
+    """The device at ``path``; under a test fault plan ($KVFS_TEST_FAULTS, kvfs/device/testfaults.py) wrapped in it."""
     device = Device.open(path, readonly=readonly, retry_window=retry_window, timeout=timeout)
     try:
         return faults.from_environment(device)
@@ -172,7 +172,7 @@ class Filesystem:
             # Loading makes a few objects per file and frees none of them: the
             # collector would walk the growing heap again and again for nothing
             # (a third of a remount's time at 100,000 files). The daemon then
-            # freezes what was loaded (kvfs/gcpolicy.py), so no collection walks it.
+            # freezes what was loaded (kvfs/base/gcpolicy.py), so no collection walks it.
             def build(store):
                 # Runs while the multi-mount claim waits (kvfs/store/opening.py): it only
                 # reads what was loaded. Loaded again, it is built again.

@@ -1,4 +1,4 @@
-"""Serve a layer stack (``kvfs.stack.Filesystem``) through FUSE.
+"""Serve a layer stack (``kvfs.server.stack.Filesystem``) through FUSE.
 
 ``serve`` mounts it, runs the background
 tasks, and shuts down gracefully on SIGTERM/SIGINT, ``kvfs-admin umount`` or a
@@ -18,14 +18,14 @@ import signal
 import pyfuse3
 import trio
 
-from .errors import Fenced, InvalidArgument, KvfsError
-from .fuseops import KvfsOperations
-from .fuseloop import RequestWait
-from .gcpolicy import FreezeAfterFullCollections
+from ..base.gcpolicy import FreezeAfterFullCollections
+from ..errors import Fenced, InvalidArgument, KvfsError
+from ..fuse.loop import RequestWait
+from ..fuse.ops import KvfsOperations
+from ..fuse.pagedrops import KernelPageDropper
+from ..fuse.pagefill import PageFiller
 from .metrics import MetricsServer
 from .opsstats import OpsStats
-from .pagedrops import KernelPageDropper
-from .pagefill import PageFiller
 from .sdnotify import Notifier
 from .stack import Filesystem
 
@@ -55,8 +55,8 @@ class MountOptions:
     dedup_groups: object = None       # None: dedup per uid; "all"; or uid sets (blockindex.DedupDomains)
     dedup_verify: bool = False        # compare bytes on every dedup hit (dedup_verify=bytes)
     mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
-    page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/pagefill.py)
-    request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuseloop.py)
+    page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/fuse/pagefill.py)
+    request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuse/loop.py)
 
     force: bool = False               # take over a store whose MMP record is in use, without waiting
 
@@ -103,7 +103,7 @@ class Daemon:
         self._commands_running = 0
         self._page_dropper = None
         self._page_filler = None
-        self._request_wait = None       # kvfs/fuseloop.py, once pyfuse3 is initialised
+        self._request_wait = None       # kvfs/fuse/loop.py, once pyfuse3 is initialised
         self._ops = None                # the KvfsOperations being served
 
     def stats(self):
@@ -181,7 +181,7 @@ class Daemon:
 
     async def serve(self, ready=lambda: None):
         tune_malloc()
-        self._gc.install()              # the loaded namespace is frozen: see kvfs/gcpolicy.py
+        self._gc.install()              # the loaded namespace is frozen: see kvfs/base/gcpolicy.py
         self._start_ops()
         fuse_options = set(pyfuse3.default_options)       # default_permissions
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}

@@ -34,7 +34,7 @@ import threading
 
 import trio
 
-from .errors import DeviceError, DeviceTimeout, KvfsError
+from ..errors import DeviceError, DeviceTimeout, KvfsError
 
 log = logging.getLogger(__name__)
 

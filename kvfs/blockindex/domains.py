@@ -1,11 +1,11 @@
 """Dedup domains: which uids may share stored blocks (part of the block index layer).
 
-Split out of kvfs/blockindex.py, which keys every block with its domain; see
+Split out of kvfs/blockindex/__init__.py, which keys every block with its domain; see
 that module's doc for why tenants get domains of their own.
 """
 import hashlib
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 
 class DedupDomains:

@@ -1,6 +1,6 @@
 """Drop a range of pages from the kernel's page cache of one file (FUSE_NOTIFY_INVAL_INODE).
 
-Part of the FUSE layer: kvfs/fuseops.py calls it before it answers a WRITE
+Part of the FUSE layer: kvfs/fuse/ops.py calls it before it answers a WRITE
 that raced reads of the same file (kvfs/namespace/pagecache.py says why).
 
 pyfuse3.invalidate_inode can only drop a whole file, and a whole-file drop

@@ -34,15 +34,16 @@ import logging
 import trio
 import xxhash
 
-from . import schema
-from .aligned import SECTOR, align_up
-from .blockruns import RUN_WINDOW_BLOCKS, run_position
-from .crashpoints import crashpoint
-from .dedupdomains import DedupDomains
-from .errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
-from .gcpolicy import release_off_loop
-from .indexcut import IndexCut
-from .sharedints import shared
+from .. import schema
+from ..base.aligned import SECTOR, align_up
+from ..base.crashpoints import crashpoint
+from ..base.gcpolicy import release_off_loop
+from ..base.sharedints import shared
+from ..errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
+from ..store import BlockCheck
+from .cut import IndexCut
+from .domains import DedupDomains
+from .runs import RUN_WINDOW_BLOCKS, run_position
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class BlockIndex:
     def load(self, blocks, *, consume=False):
         """Enter the checkpoint's BlockRows (dropped from ``blocks`` as they go with ``consume``)."""
         # msgpack decodes every length and domain into an int object of its own:
-        # most blocks have one of a few of each (kvfs/sharedints.py). A million
+        # most blocks have one of a few of each (kvfs/base/sharedints.py). A million
         # blocks at a remount: the few common lengths are kept at hand, domain 0
         # (Python's own) is not looked up, and each entry's slots are set here,
         # as BlockEntry() sets them, without its call (1.1 -> 0.75 s).
@@ -176,7 +177,7 @@ class BlockIndex:
         try:
             await self.store.write_checkpoint(store_cut, writer, transient)
         finally:
-            # Freed off the loop, in pieces: freeing it here held the loop (kvfs/gcpolicy.py).
+            # Freed off the loop, in pieces: freeing it here held the loop (kvfs/base/gcpolicy.py).
             await release_off_loop(index_cut.entries, index_cut.gone, limiter=self.hash_limiter)
 
     def checkpoint_capacity(self):
@@ -291,7 +292,7 @@ class BlockIndex:
         """:meth:`store_block` for each (data, source, domain), with one hashing hand-off and one
         device call for all the new ones: per block, its key or the KvfsError it failed with.
 
-        ``hints``, if given, holds per block a :class:`~kvfs.blockruns.RunHint` (or None): a new block
+        ``hints``, if given, holds per block a :class:`~kvfs.blockindex.runs.RunHint` (or None): a new block
         goes next to its file's other blocks, so that a reader fetches the file in runs
         of one device call each, and its own placement is filled in before the write.
 
@@ -383,7 +384,7 @@ class BlockIndex:
         """An extent for a new block, marked as being written (flushes of the same bytes wait).
 
         With a RunHint, a whole block that cannot go by its neighbours starts a run
-        (kvfs/blockruns.py), with room for RUN_WINDOW_BLOCKS of its file's blocks.
+        (kvfs/blockindex/runs.py), with room for RUN_WINDOW_BLOCKS of its file's blocks.
         """
         if hint is None:
             off = self.store.allocate(length)
@@ -414,19 +415,28 @@ class BlockIndex:
     async def _same_bytes(self, key, e, data):
         """dedup_verify=bytes: does the stored block hold exactly ``data``? (A corrupt one does not.)"""
         self._dedup_verify_reads += 1
-        try:
-            stored = await self.store.run(self.read_verified_sync, key, e.off, e.length, None, e.domain)
-        except CorruptBlock:
+        stored = await self.store.read_verified(e.off, self._check(key, e.length, e.domain), None, self._key_base)
+        if stored is None:
+            self._failed_check(key, e.off)
             return False
         return stored == data
 
+    @staticmethod
+    def _check(key, length, domain):
+        """The plain description of a block that the store's verified reads take."""
+        return BlockCheck(length, key, domain.to_bytes(8, "little") if domain else b"")
+
+    def _failed_check(self, key, off):
+        """A stored block did not hash to its key: count it, log it, and name the error (EIO)."""
+        self._corrupt_reads += 1
+        log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
+        return CorruptBlock(f"block {key.hex()} at offset {off} is corrupt")
+
     def read_verified_sync(self, key, off, length, buf=None, domain=0):
-        """Read one extent and check it against ``key`` (in a worker thread); CorruptBlock if it fails."""
-        data = self.store.read_extent_sync(off, length, buf)
-        if self.key_of(data, domain) != key:
-            self._corrupt_reads += 1
-            log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
-            raise CorruptBlock(f"block {key.hex()} at offset {off} is corrupt")
+        """Read one extent and check it against ``key`` (in a thread, for fsck); CorruptBlock if it fails."""
+        data = self.store.read_verified_sync(off, self._check(key, length, domain), buf, self._key_base)
+        if data is None:
+            raise self._failed_check(key, off)
         return data
 
     async def read_block(self, key, buf=None):
@@ -436,7 +446,10 @@ class BlockIndex:
         into ``buf`` if one is given.
         """
         e = self.entries[key]
-        return await self.store.run(self.read_verified_sync, key, e.off, e.length, buf, e.domain)
+        data = await self.store.read_verified(e.off, self._check(key, e.length, e.domain), buf, self._key_base)
+        if data is None:
+            raise self._failed_check(key, e.off)
+        return data
 
     def adjacent_runs(self, keys, most):
         """``keys`` (stored, distinct) grouped into runs of at most ``most`` whose extents
@@ -451,31 +464,18 @@ class BlockIndex:
             end = off + align_up(self.entries[key].length)
         return runs
 
-    def _read_run_verified_sync(self, run, bufs):
-        """One device read for the run of (key, off, length, domain), then each block checked
-        against its key (in a worker thread, touching no index state).
+    async def read_run(self, run, bufs):
+        """Read and verify a run from :meth:`adjacent_runs` with one hand-off to a device thread.
 
+        The extents are looked up here, on the event loop, before the hand-off.
         Returns, per block, its verified view or the CorruptBlock it failed with:
         one bad block fails alone, never its neighbours.
         """
-        views = self.store.read_extents_sync(run[0][1], [length for _, _, length, _ in run], bufs)
-        out = []
-        for (key, off, _, domain), data in zip(run, views):
-            if self.key_of(data, domain) == key:
-                out.append(data)
-            else:
-                self._corrupt_reads += 1
-                log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
-                out.append(CorruptBlock(f"block {key.hex()} at offset {off} is corrupt"))
-        return out
-
-    async def read_run(self, run, bufs):
-        """Read and verify a run from :meth:`adjacent_runs` with one hand-off to a worker thread.
-
-        The extents are looked up here, on the event loop, before the hand-off.
-        """
-        placed = [(key, e.off, e.length, e.domain) for key, e in zip(run, map(self.entries.__getitem__, run))]
-        return await self.store.run(self._read_run_verified_sync, placed, bufs)
+        entries = [self.entries[key] for key in run]
+        checks = [self._check(key, e.length, e.domain) for key, e in zip(run, entries)]
+        views = await self.store.read_run_verified(entries[0].off, checks, bufs, self._key_base)
+        return [view if view is not None else self._failed_check(key, e.off)
+                for key, e, view in zip(run, entries, views)]
 
     def statistics(self):
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,

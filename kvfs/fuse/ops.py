@@ -14,9 +14,9 @@ import stat
 
 import pyfuse3
 
-from .errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
+from ..errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
                      NotSupported)
-from .namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
+from ..namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
 from .pagefill import FILL_MOST
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,8 @@ class KvfsOperations(pyfuse3.Operations):
         self._dir_handles = {}
         self._next_dir_fh = 1
         self._results = {}               # caller pid -> JSON answer of its last control command
-        self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/pagedrops.py)
-        self.page_filler = None          # a PageFiller once mounted (kvfs/pagefill.py)
+        self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/fuse/pagedrops.py)
+        self.page_filler = None          # a PageFiller once mounted (kvfs/fuse/pagefill.py)
         self.kernel_reads = 0            # READ requests from the kernel (page fills are not among them)
         self.kernel_lookups = 0          # LOOKUP and GETATTR requests: what the kernel could not answer
         self.kernel_getattrs = 0         # from its caches (see ENTRY_TIMEOUT)

@@ -1,6 +1,6 @@
 """pyfuse3's wait for the next FUSE request, without an epoll round trip when one is queued.
 
-Part of the FUSE layer: kvfs/daemon.py installs it after pyfuse3.init().
+Part of the FUSE layer: kvfs/server/daemon.py installs it after pyfuse3.init().
 
 Why. pyfuse3's request loop (``_session_loop`` in its internal.pxi) awaits
 ``_wait_fuse_readable()`` before every read of /dev/fuse, and that always

@@ -1,9 +1,9 @@
 """A process-wide setting changed while any of several sections, in any thread, is inside.
 
 The daemon changes two settings this way: the cyclic collector is off while
-a checkpoint or a load runs (kvfs/gcpolicy.py, ``collections_paused``) and
+a checkpoint or a load runs (kvfs/base/gcpolicy.py, ``collections_paused``) and
 the switch interval is short while worker threads run Python next to the
-event loop (kvfs/gilpolicy.py, ``loop_first``). Sections nest and overlap
+event loop (kvfs/base/gilpolicy.py, ``loop_first``). Sections nest and overlap
 across threads, so the first one to enter saves the setting and changes it,
 the others only count, and the last one to leave restores what was saved.
 """

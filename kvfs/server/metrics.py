@@ -22,8 +22,8 @@ import math
 import socket
 import threading
 
-from . import __version__
-from .errors import os_error
+from .. import __version__
+from ..errors import os_error
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ METRICS = {
                                    "Names dropped from the kernel's dentry cache because eviction removed them."),
     "page_fills": ("kvfs_page_fills_total", COUNTER,
                    "Cold opens whose file was stored into the kernel's page cache before the reply "
-                   "(kvfs/pagefill.py)."),
+                   "(kvfs/fuse/pagefill.py)."),
     "page_fill_bytes": ("kvfs_page_fill_bytes_total", COUNTER, "Bytes stored into the kernel's page cache."),
     "page_fill_blocks_skipped": ("kvfs_page_fill_blocks_skipped_total", COUNTER,
                                  "Blocks a page fill left to readahead: not read in time, or failed."),
@@ -121,7 +121,7 @@ METRICS = {
     "gc_full_collection_max_ms": ("kvfs_gc_full_collection_max_ms", GAUGE,
                                   "Longest full garbage collection (ms): it stopped every FUSE request."),
     "gc_frozen_objects": ("kvfs_gc_frozen_objects", GAUGE,
-                          "Objects the daemon has frozen out of garbage collection (kvfs/gcpolicy.py), "
+                          "Objects the daemon has frozen out of garbage collection (kvfs/base/gcpolicy.py), "
                           "as last counted."),
     "gc_frozen_counted_s_ago": ("kvfs_gc_frozen_counted_seconds_ago", GAUGE,
                                 "Age of kvfs_gc_frozen_objects: counting walks every frozen object, so it "

@@ -1,6 +1,6 @@
 """Fill the kernel's page cache of a file before its open is answered (FUSE_NOTIFY_STORE).
 
-Part of the FUSE layer: kvfs/fuseops.py calls it from its open handler.
+Part of the FUSE layer: kvfs/fuse/ops.py calls it from its open handler.
 
 Why. A cold buffered read() of a chunk file goes through the kernel's
 readahead: 1 MiB READ requests, each answered by pyfuse3 on its one event-loop
@@ -47,7 +47,7 @@ import struct
 
 import trio
 
-from .errors import KvfsError
+from ..errors import KvfsError
 
 log = logging.getLogger(__name__)
 

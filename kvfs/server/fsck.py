@@ -1,7 +1,7 @@
 """Offline consistency check and repair.
 
 The check loads the store exactly as mount does (newest checkpoint plus journal
-replay, through ``kvfs.stack.load_tree``, without a block cache) and then
+replay, through ``kvfs.server.stack.load_tree``, without a block cache) and then
 verifies the resulting state as schema rows (``kvfs.schema``), independently of
 the code that maintains it:
 
@@ -27,13 +27,13 @@ import logging
 
 import trio
 
-from . import schema
-from .device import Device
-from .errors import Busy, CorruptBlock, DeviceError, FormatError
-from .namespace import ROOT_INO
+from .. import schema
+from ..device import Device
+from ..errors import Busy, CorruptBlock, DeviceError, FormatError
+from ..namespace import ROOT_INO
+from ..store import mmp, read_superblock
+from ..store.loader import check_extent
 from .stack import load_tree
-from .store import mmp, read_superblock
-from .store.loader import check_extent
 
 log = logging.getLogger(__name__)
 

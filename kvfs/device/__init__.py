@@ -23,9 +23,9 @@ import time
 
 import trio
 
-from .aligned import SECTOR, align_up, new_buffer
-from .devicecalls import CallTracker, asked, counts_errors, each_outcome
-from .errors import (Busy, DeviceError, Fenced, InternalError, InvalidArgument, NotADevice, NotFound,
+from ..base.aligned import SECTOR, align_up, new_buffer
+from .calls import CallTracker, asked, counts_errors, each_outcome
+from ..errors import (Busy, DeviceError, Fenced, InternalError, InvalidArgument, NotADevice, NotFound,
                      device_error, os_error)
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Device:
         self._short = 0
         if timeout is not None and not timeout > retry_window:
             raise InvalidArgument(f"io_timeout ({timeout:g} s) must be longer than io_retry ({retry_window:g} s)")
-        # Every async call waits at most ``timeout`` seconds (io_timeout): see kvfs/devicecalls.py.
+        # Every async call waits at most ``timeout`` seconds (io_timeout): see kvfs/device/calls.py.
         self.calls = CallTracker(self.limiter, timeout, name=self.path)
         self.fenced = None              # why writes are refused (multi-mount protection), or None
         self.fence_error = Fenced       # what a refused write raises
@@ -414,7 +414,7 @@ class Device:
 
     # -- the system calls: every transfer above goes through exactly these ----
     # One call each, no checks: the callers handle short transfers and errors.
-    # kvfs.faults interposes here to inject device faults under the real code.
+    # kvfs.device.testfaults interposes here to inject device faults under the real code.
     def _sys_preadv(self, view, off):
         return os.preadv(self.fd, [view], off)
 
@@ -437,7 +437,7 @@ class Device:
     async def run(self, fn, *args, on_abandon=None, writes=True):
         """Run a blocking device function in a worker thread; DeviceTimeout (EIO) after io_timeout.
 
-        ``on_abandon``, ``writes``: see :meth:`kvfs.devicecalls.CallTracker.run`.
+        ``on_abandon``, ``writes``: see :meth:`kvfs.device.calls.CallTracker.run`.
         """
         return await self.calls.run(fn, *args, on_abandon=on_abandon, writes=writes)
 

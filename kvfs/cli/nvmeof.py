@@ -36,7 +36,7 @@ import shlex
 import subprocess
 import time
 
-from .errors import KvfsError
+from ..errors import KvfsError
 
 SYSFS = "/sys"
 DEV = "/dev"
