@@ -17,6 +17,7 @@ import pyfuse3
 from ..errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
                      NotSupported)
 from ..namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
+from ..namespace.port import NamespacePort
 from .pagefill import FILL_MOST
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     enable_writeback_cache = False
 
-    def __init__(self, namespace, control, *, by_hash="root"):
+    def __init__(self, namespace: NamespacePort, control, *, by_hash: str = "root"):
         super().__init__()
         if by_hash not in BY_HASH_POLICIES:
             raise ValueError(f"by_hash must be one of {BY_HASH_POLICIES}")

@@ -32,16 +32,16 @@ import msgpack
 import trio
 
 from .. import schema
-from ..device.verified import BlockCheck, read_block_verified_sync, read_run_verified_sync  # noqa: F401 (BlockCheck: for the index)
 from ..base.crashpoints import crashpoint, die, reached
+from ..device.port import DevicePort
+from ..device.verified import BlockCheck, read_block_verified_sync, read_run_verified_sync  # noqa: F401 (BlockCheck: for the index)
 from ..errors import Busy, DeviceFailed, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from . import mmp as mmp_protocol
 from .allocator import Allocator
 from .loader import load, read_superblock
 from .mkfs import reserve_metadata_space
 from .mmp import MmpSettings
-from .opening import claim_and_load, probe_mountable
-from .opening import release_quietly as _release_quietly
+from .opening import claim_and_load, probe_mountable, release_quietly as _release_quietly
 
 __all__ = ["Allocator", "ExtentStore", "MmpSettings", "StoreStatistics", "probe_mountable", "read_superblock"]
 
@@ -73,7 +73,7 @@ class StoreCut:
 class ExtentStore:
     """Allocator + journal + checkpoints over one open :class:`~kvfs.device.Device`."""
 
-    def __init__(self, device, loaded):
+    def __init__(self, device: DevicePort, loaded):
         self.device = device
         self.sb = loaded.sb
         state = loaded.state
