@@ -2,20 +2,27 @@
 
 Every layer may use these; they depend on nothing in kvfs.
 """
+from __future__ import annotations
+
 import mmap
+from typing import Union
 
 SECTOR = 4096          # alignment of every device transfer, metadata write and allocation unit
 
+# For annotations: the bytes that move between the layers.
+Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]     # anything bytes-like: what a write takes
+WritableBuffer = Union[bytearray, memoryview, mmap.mmap]    # what a read fills in place
 
-def align_up(n, a=SECTOR):
+
+def align_up(n: int, a: int = SECTOR) -> int:
     return (n + a - 1) // a * a
 
 
-def align_down(n, a=SECTOR):
+def align_down(n: int, a: int = SECTOR) -> int:
     return n // a * a
 
 
-def new_buffer(size, populate=True):
+def new_buffer(size: int, populate: bool = True) -> mmap.mmap:
     """A zeroed, page-aligned anonymous buffer, its pages faulted in by one mmap call.
 
     Page aligned, so the device can transfer into or out of it with O_DIRECT.

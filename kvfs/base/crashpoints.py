@@ -15,10 +15,13 @@ and one log record (the daemon's stderr is /dev/null once it is mounted), then
 threads may be lost. This is not a mount option and not part of the user
 documentation. tests/test_crash_points.py triggers every point.
 """
+from __future__ import annotations
+
 import logging
 import os
 import sys
 import threading
+from typing import NoReturn, Optional
 
 from ..errors import InvalidArgument
 
@@ -56,11 +59,11 @@ CRASH_POINTS = {
                           "finished flush while other flushes may still be running",
 }
 
-_armed = None                   # None, or {name: arrivals left before death}
+_armed: Optional[dict[str, int]] = None    # None, or {name: arrivals left before death}
 _lock = threading.Lock()
 
 
-def parse(text):
+def parse(text: str) -> tuple[str, int]:
     """``"name"`` or ``"name@N"`` -> (name, N); InvalidArgument for anything else."""
     name, sep, count = text.strip().partition("@")
     if name not in CRASH_POINTS:
@@ -77,7 +80,7 @@ def parse(text):
     return name, n
 
 
-def arm(text):
+def arm(text: Optional[str]) -> None:
     """Arm the point ``text`` names (see :func:`parse`); ``None`` or ``""`` disarms."""
     global _armed
     if not text:
@@ -87,12 +90,12 @@ def arm(text):
     _armed = {name: n}
 
 
-def arm_from_environment():
+def arm_from_environment() -> None:
     """Arm what $KVFS_TEST_CRASH names; raises InvalidArgument (refuse to start) for a bad value."""
     arm(os.environ.get(ENV))
 
 
-def reached(name):
+def reached(name: str) -> bool:
     """True at the arrival that must die; the caller does its last act, then calls :func:`die`."""
     if _armed is None or name not in _armed:
         return False
@@ -101,19 +104,19 @@ def reached(name):
         return _armed[name] == 0
 
 
-def armed(name):
+def armed(name: str) -> bool:
     """Whether ``name`` is armed: code that must work to reach a point (a lookup only its
     crash test needs) asks this first, so unarmed it costs nothing."""
     return _armed is not None and name in _armed
 
 
-def crashpoint(name):
+def crashpoint(name: str) -> None:
     """Die here if this is the armed point's fatal arrival; otherwise nothing."""
     if _armed is not None and reached(name):
         die(name)
 
 
-def die(name):
+def die(name: str) -> NoReturn:
     message = f"kvfs: crash point {name!r} reached ({ENV}): dying now"
     try:
         log.warning("%s", message)

@@ -44,10 +44,13 @@ paused while a checkpoint runs (:func:`collections_paused`); garbage that only t
 can free waits those seconds, everything else is freed by reference counting as
 always.
 """
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import gc
 import time
+from typing import ContextManager, Iterator, Optional
 
 import trio
 
@@ -65,15 +68,15 @@ class GcStatistics:
 class FreezeAfterFullCollections:
     """Installed for the life of a daemon: ``install()``, then ``uninstall()``."""
 
-    def __init__(self):
-        self._started = None
+    def __init__(self) -> None:
+        self._started: Optional[float] = None
         self._full = 0
         self._longest = 0.0
         self._installed = False
         self._frozen = 0
-        self._counted_at = None
+        self._counted_at: Optional[float] = None
 
-    def install(self):
+    def install(self) -> None:
         """Freeze what exists now (the loaded store), then after every full collection."""
         if self._installed:
             return
@@ -82,7 +85,7 @@ class FreezeAfterFullCollections:
         self._installed = True
         self.count_frozen()
 
-    def uninstall(self):
+    def uninstall(self) -> None:
         """Stop freezing and give the frozen objects back to the collector."""
         if not self._installed:
             return
@@ -104,13 +107,13 @@ class FreezeAfterFullCollections:
         # merged the young generations into the old one): freezing it leaks nothing.
         gc.freeze()
 
-    def count_frozen(self):
+    def count_frozen(self) -> int:
         """Count the frozen objects now (a walk of all of them: see the module's doc)."""
         self._frozen = gc.get_freeze_count()
         self._counted_at = time.monotonic()
         return self._frozen
 
-    def collect_and_count(self):
+    def collect_and_count(self) -> int:
         """A full collection now (its survivors are frozen, as after any), then the count.
 
         Without it the count depends on when the last automatic full collection
@@ -123,7 +126,7 @@ class FreezeAfterFullCollections:
         gc.collect()
         return self.count_frozen()
 
-    def statistics(self):
+    def statistics(self) -> GcStatistics:
         if self._counted_at is None or time.monotonic() - self._counted_at > FROZEN_COUNT_MAX_AGE_S:
             self.count_frozen()
         return GcStatistics(self._full, self._longest, self._frozen,
@@ -133,7 +136,7 @@ class FreezeAfterFullCollections:
 FROZEN_COUNT_MAX_AGE_S = 60.0
 
 
-def release_in_pieces(*containers):
+def release_in_pieces(*containers: list | dict) -> None:
     """Empty each list or dict a slice at a time (call it in a worker thread).
 
     Freeing a million checkpoint rows (or a checkpoint cut's copy of a million-entry
@@ -155,7 +158,7 @@ def release_in_pieces(*containers):
 RELEASE_SLICE = 2048
 
 
-async def release_off_loop(*containers, limiter=None):
+async def release_off_loop(*containers: list | dict, limiter: Optional[trio.CapacityLimiter] = None) -> None:
     """:func:`release_in_pieces` in a worker thread, even when the caller is cancelled."""
     with trio.CancelScope(shield=True):
         await trio.to_thread.run_sync(release_in_pieces, *containers, limiter=limiter)
@@ -170,13 +173,13 @@ def _set_collector(enabled):
 _collector = NestedSetting(gc.isenabled, _set_collector, lambda was_enabled: False)
 
 
-def collections_paused():
+def collections_paused() -> ContextManager[None]:
     """No automatic garbage collection inside (nests; any thread). See the module's doc."""
     return _collector.held()
 
 
 @contextlib.contextmanager
-def frozen_when_loaded():
+def frozen_when_loaded() -> Iterator[None]:
     """Collections paused inside, and what exists at the end frozen: the daemon's load.
 
     With collections paused, every object the load made is still in the youngest

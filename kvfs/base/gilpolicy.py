@@ -14,7 +14,10 @@ LOOP_FIRST_INTERVAL; it goes back to what it was when the last such section
 ends. The worker is then interrupted more often, but only while another thread
 wants the GIL: an idle loop costs it nothing.
 """
+from __future__ import annotations
+
 import sys
+from typing import ContextManager
 
 from .nested import NestedSetting
 
@@ -24,6 +27,6 @@ _switch_interval = NestedSetting(sys.getswitchinterval, sys.setswitchinterval,
                                  lambda was: min(was, LOOP_FIRST_INTERVAL))
 
 
-def loop_first():
+def loop_first() -> ContextManager[None]:
     """A lower switch interval inside (nests; any thread). See the module's doc."""
     return _switch_interval.held()

@@ -7,11 +7,17 @@ mode each: about 100 MB. ``shared(value)`` returns the first equal object it
 saw, for up to ``LIMIT`` distinct values; past that it returns ``value``
 itself, so a workload of many sizes grows no table.
 """
+from __future__ import annotations
+
+from typing import TypeVar
+
+T = TypeVar("T")
+
 LIMIT = 4096
-_seen = {}
+_seen: dict[int, int] = {}
 
 
-def shared(value):
+def shared(value: T) -> T:
     if type(value) is not int:          # 1 == True == 1.0: share only ints, with ints
         return value
     hit = _seen.get(value)
