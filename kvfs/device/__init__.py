@@ -20,13 +20,14 @@ import os
 import stat
 import threading
 import time
+from typing import Any, Callable, Optional, Sequence
 
 import trio
 
-from ..base.aligned import SECTOR, align_up, new_buffer
+from ..base.aligned import SECTOR, Buffer, WritableBuffer, align_up, new_buffer
 from .calls import CallTracker, asked, counts_errors, each_outcome
-from ..errors import (Busy, DeviceError, Fenced, InternalError, InvalidArgument, NotADevice, NotFound,
-                     device_error, os_error)
+from ..errors import (Busy, DeviceError, Fenced, InternalError, InvalidArgument, KvfsError, NotADevice,
+                     NotFound, device_error, os_error)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class DeviceStatistics:
     discards: int
     reads_in_flight: int
     reads_in_flight_max: int
-    read_latency_counts: tuple = ()     # reads per READ_LATENCY_BOUNDS bucket (not cumulative), then the rest
+    read_latency_counts: tuple[int, ...] = ()  # reads per READ_LATENCY_BOUNDS bucket (not cumulative), then the rest
     read_latency_sum: float = 0.0       # seconds spent in all reads
     retries: int = 0                    # transfers retried within the retry window
     read_errors: int = 0                # calls that ended in an error (after any retries), by kind
@@ -71,7 +72,8 @@ class DeviceStatistics:
 class Device:
     """An open kvfs device. Use :meth:`open`; close with :meth:`close`."""
 
-    def __init__(self, path, fd, size, direct_io, is_block, *, io_threads=64, retry_window=0.0, timeout=60.0):
+    def __init__(self, path: str | os.PathLike, fd: int, size: int, direct_io: bool, is_block: bool, *,
+                 io_threads: int = 64, retry_window: float = 0.0, timeout: Optional[float] = 60.0) -> None:
         self.path = str(path)
         self.fd = fd
         self.size = size
@@ -96,11 +98,11 @@ class Device:
             raise InvalidArgument(f"io_timeout ({timeout:g} s) must be longer than io_retry ({retry_window:g} s)")
         # Every async call waits at most ``timeout`` seconds (io_timeout): see kvfs/device/calls.py.
         self.calls = CallTracker(self.limiter, timeout, name=self.path)
-        self.fenced = None              # why writes are refused (multi-mount protection), or None
-        self.fence_error = Fenced       # what a refused write raises
+        self.fenced: Optional[str] = None     # why writes are refused (multi-mount protection), or None
+        self.fence_error: type[Exception] = Fenced    # what a refused write raises
 
     @classmethod
-    def open(cls, path, *, readonly=False, lock=True, **kw):
+    def open(cls, path: str | os.PathLike, *, readonly: bool = False, lock: bool = True, **kw: Any) -> "Device":
         """Open ``path``; take an exclusive advisory lock so two daemons cannot share it."""
         try:
             st = os.stat(path)
@@ -122,7 +124,7 @@ class Device:
             os.close(fd)
             raise
 
-    def fence(self, reason, error=Fenced):
+    def fence(self, reason: str, error: type[Exception] = Fenced) -> None:
         """Refuse every later write, flush, discard and preallocation (reads still work).
 
         Multi-mount protection calls this when another host may own the store
@@ -136,14 +138,14 @@ class Device:
             raise self.fence_error(f"{self.path}: writes are stopped: {self.fenced}")
 
     @property
-    def timeout(self):
+    def timeout(self) -> Optional[float]:
         return self.calls.timeout
 
-    def after_abandoned(self, callback):
+    def after_abandoned(self, callback: Callable[[], None]) -> None:
         """Run ``callback()`` once no abandoned call can still write to the device (see CallTracker)."""
         self.calls.after_abandoned(callback)
 
-    def close(self):
+    def close(self) -> None:
         if self.fd < 0:
             return
         if self.calls.late_calls():
@@ -173,7 +175,7 @@ class Device:
 
     # -- synchronous primitives (called in worker threads or by offline tools) --
     @counts_errors("read")
-    def pread_sync(self, off, length):
+    def pread_sync(self, off: int, length: int) -> bytes:
         """Read exactly ``length`` bytes at ``off``; a short read is an error."""
         if off < 0 or off + length > self.size:
             raise DeviceError(f"read [{off}, +{length}) is outside the device ({self.size} bytes)")
@@ -214,7 +216,7 @@ class Device:
             self._latency_sum += took
 
     @counts_errors("read")
-    def read_block_sync(self, off, length, buf=None):
+    def read_block_sync(self, off: int, length: int, buf: Optional[WritableBuffer] = None) -> memoryview:
         """Read ``length`` bytes at a sector-aligned ``off`` into a page-aligned buffer.
 
         ``buf`` is a recycled mmap to fill (a new one is made if it is missing or
@@ -233,7 +235,8 @@ class Device:
         return memoryview(buf).toreadonly()[:length]
 
     @counts_errors("read")
-    def read_blocks_sync(self, off, lengths, bufs):
+    def read_blocks_sync(self, off: int, lengths: Sequence[int],
+                         bufs: Sequence[Optional[WritableBuffer]]) -> list[memoryview]:
         """Read contiguous blocks at a sector-aligned ``off`` into ``bufs`` with one preadv.
 
         Block ``i`` has ``lengths[i]`` bytes and occupies ``align_up(lengths[i])``
@@ -287,7 +290,7 @@ class Device:
         return [memoryview(b).toreadonly()[:n] for b, n in zip(bufs, lengths)]
 
     @counts_errors("write")
-    def pwrite_sync(self, off, data, source=None):
+    def pwrite_sync(self, off: int, data: Buffer, source: Optional[Buffer] = None) -> None:
         """Write ``data`` at a sector-aligned ``off``, zero-padded to whole sectors.
 
         ``source``: an optional page-aligned buffer holding ``data`` at its start
@@ -327,7 +330,7 @@ class Device:
             self._writes += 1
 
     @counts_errors("sync")
-    def sync_sync(self):
+    def sync_sync(self) -> None:
         self._check_fence()
         try:
             # Only with O_DIRECT is a retried flush honest: with buffered I/O a
@@ -342,7 +345,7 @@ class Device:
         with self._lock:
             self._syncs += 1
 
-    def preallocate_sync(self, off, length):
+    def preallocate_sync(self, off: int, length: int) -> None:
         """Give a file-backed store real host space for [off, off+length) (no-op on a block device).
 
         A sparse store file gets host blocks only when written. Metadata must
@@ -359,7 +362,7 @@ class Device:
             raise device_error(exc, f"cannot reserve host space for kvfs metadata: {exc.strerror}") from None
 
     @counts_errors("discard")
-    def discard_sync(self, off, length):
+    def discard_sync(self, off: int, length: int) -> None:
         """Tell the device a range is unused (TRIM / hole punch). Best effort."""
         if not self.discard_supported or length <= 0:
             return
@@ -434,30 +437,31 @@ class Device:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
     # -- async wrappers: never block the trio loop --------------------------
-    async def run(self, fn, *args, on_abandon=None, writes=True):
+    async def run(self, fn: Callable[..., Any], *args: Any, on_abandon: Optional[Callable[[], None]] = None,
+                  writes: bool = True) -> Any:
         """Run a blocking device function in a worker thread; DeviceTimeout (EIO) after io_timeout.
 
         ``on_abandon``, ``writes``: see :meth:`kvfs.device.calls.CallTracker.run`.
         """
         return await self.calls.run(fn, *args, on_abandon=on_abandon, writes=writes)
 
-    async def pread(self, off, length):
+    async def pread(self, off: int, length: int) -> bytes:
         return await self.run(self.pread_sync, off, length, writes=False)
 
-    async def pwrite(self, off, data, source=None):
+    async def pwrite(self, off: int, data: Buffer, source: Optional[Buffer] = None) -> None:
         return await self.run(self.pwrite_sync, off, data, source)
 
-    async def pwrite_each(self, writes):
+    async def pwrite_each(self, writes: Sequence[tuple]) -> list[Optional[KvfsError]]:
         """:meth:`pwrite_sync` of each (off, data, source) in one worker call (see each_outcome)."""
         return await self.run(each_outcome, self.pwrite_sync, writes)
 
-    async def sync(self):
+    async def sync(self) -> None:
         return await self.run(self.sync_sync)
 
-    async def discard(self, off, length):
+    async def discard(self, off: int, length: int) -> None:
         return await self.run(self.discard_sync, off, length)
 
-    def statistics(self):
+    def statistics(self) -> DeviceStatistics:
         with self._lock:
             return DeviceStatistics(self.path, self.size, self.direct_io, self._bytes_read,
                                     self._bytes_written, self._reads, self._writes, self._syncs,

@@ -27,16 +27,22 @@ The worker thread keeps its limiter token until it finishes (trio releases it on
 then), so a hung device holds at most ``io_threads`` threads; later calls wait for a
 token inside their own time bound and time out too.
 """
+from __future__ import annotations
+
 import contextlib
 import functools
 import logging
 import threading
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import trio
 
 from ..errors import DeviceError, DeviceTimeout, KvfsError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 _QUEUED, _RUNNING, _SKIP, _LATE, _DONE = range(5)
 
@@ -53,16 +59,17 @@ class _Call:
 class CallTracker:
     """Runs device calls in worker threads with a time bound; tracks the abandoned ones."""
 
-    def __init__(self, limiter, timeout, name="device"):
+    def __init__(self, limiter: trio.CapacityLimiter, timeout: Optional[float], name: str = "device") -> None:
         self.limiter = limiter
         self.timeout = timeout          # seconds; None: no bound (offline tools)
         self.name = name
         self._lock = threading.Lock()
-        self._late = set()              # abandoned calls whose threads still run
-        self._waiters = []              # [set of late calls, callback]: run once the set is empty
+        self._late: set[_Call] = set()  # abandoned calls whose threads still run
+        self._waiters: list[list] = []  # [set of late calls, callback]: run once the set is empty
         self.timeouts = 0
 
-    async def run(self, fn, *args, on_abandon=None, writes=True):
+    async def run(self, fn: Callable[..., T], *args: Any, on_abandon: Optional[Callable[[], None]] = None,
+                  writes: bool = True) -> T:
         """``fn(*args)`` in a worker thread; DeviceTimeout after ``timeout`` seconds.
 
         ``on_abandon()`` is called (on the event loop) when the call was started and is
@@ -142,7 +149,7 @@ class CallTracker:
             with contextlib.suppress(trio.RunFinishedError):       # the daemon is gone: nothing to free
                 token.run_sync_soon(callback)
 
-    def after_abandoned(self, callback):
+    def after_abandoned(self, callback: Callable[[], None]) -> None:
         """Run ``callback()`` (on the event loop) once every writing call abandoned so far has
         finished: at once when none is left running."""
         with self._lock:
@@ -152,13 +159,13 @@ class CallTracker:
                 return
         callback()
 
-    def late_calls(self):
+    def late_calls(self) -> int:
         """Abandoned calls whose threads are still running."""
         with self._lock:
             return len(self._late)
 
 
-def counts_errors(kind):
+def counts_errors(kind: str) -> Callable[[F], F]:
     """Count the calls of a Device method that end in a device error (after its retries)
     in the device's ``_errors[kind]``."""
     def wrap(method):
@@ -174,15 +181,15 @@ def counts_errors(kind):
     return wrap
 
 
-def asked(views):
+def asked(views: memoryview | Sequence[memoryview]) -> int:
     """Bytes a transfer's system call was asked to move: one view, or a list of them."""
     return len(views) if isinstance(views, memoryview) else sum(map(len, views))
 
 
-def each_outcome(fn, calls):
+def each_outcome(fn: Callable[..., Any], calls: Iterable[Sequence[Any]]) -> list[Optional[KvfsError]]:
     """``fn(*args)`` for each ``args`` of ``calls``, in the calling (worker) thread: per call
     None, or the KvfsError it raised. One failed call fails alone: the others still run."""
-    outcomes = []
+    outcomes: list[Optional[KvfsError]] = []
     for args in calls:
         try:
             fn(*args)

@@ -61,6 +61,8 @@ is not a mount option and not part of the user documentation.
 What the old mount option ``write_delay_ms=N`` did is the plan
 ``[{"op": "write", "effect": "delay", "seconds": N / 1000}]``.
 """
+from __future__ import annotations
+
 import dataclasses
 import errno
 import json
@@ -69,6 +71,7 @@ import os
 import random
 import threading
 import time
+from typing import Any, Mapping
 
 from ..base.aligned import SECTOR
 from ..errors import InvalidArgument, KvfsError
@@ -142,7 +145,7 @@ def _rule(obj, i) -> Rule:
     return dataclasses.replace(rule, probability=probability, seconds=seconds, after=after)
 
 
-def parse_plan(plan) -> Plan:
+def parse_plan(plan: Plan | str | bytes | list | dict) -> Plan:
     """A Plan from JSON text, a list of rules or ``{"seed", "rules"}``; KvfsError (EINVAL) if bad."""
     if isinstance(plan, Plan):
         return plan
@@ -171,7 +174,8 @@ def _signature(path):
 class FaultyDevice:
     """A Device whose system calls fail, stall or lie according to a plan."""
 
-    def __init__(self, device: Device, plan, *, plan_file: str | None = None):
+    def __init__(self, device: Device, plan: Plan | str | bytes | list | dict, *,
+                 plan_file: str | None = None) -> None:
         self._lock = threading.Lock()
         self.wrapped = device
         self._plan_file = plan_file
@@ -191,7 +195,7 @@ class FaultyDevice:
         device._sys_discard = lambda off, n: self._plain("discard", off, n, discard, off, n)
 
     @classmethod
-    def from_file(cls, device: Device, path: str) -> "FaultyDevice":
+    def from_file(cls, device: Device, path: str) -> FaultyDevice:
         """Load the plan from the JSON file ``path``, and reload it whenever the file changes."""
         try:
             sig = _signature(path)
@@ -318,7 +322,7 @@ class FaultyDevice:
         return call(*args)
 
 
-def from_environment(device: Device, environ=os.environ):
+def from_environment(device: Device, environ: Mapping[str, str] = os.environ) -> Device | FaultyDevice:
     """The test hook: ``device`` wrapped by the plan in $KVFS_TEST_FAULTS, or ``device`` itself."""
     value = environ.get(ENV)
     if not value:

@@ -12,7 +12,19 @@ decides what a failure means (CorruptBlock, EIO) on the event loop.
 This is the read core that the FUSE layer's native read plane and the bypass
 client are to share: batched device reads and verification, and nothing else.
 """
-from typing import NamedTuple, Optional
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Protocol, Sequence
+
+from ..base.aligned import Buffer, WritableBuffer
+from .port import DevicePort
+
+
+class KeyedHash(Protocol):
+    """The store's keyed hasher (a seeded xxh3-128): copied for each block, never updated itself."""
+    def copy(self) -> KeyedHash: ...
+    def update(self, data: Buffer) -> None: ...
+    def digest(self) -> bytes: ...
 
 
 class BlockCheck(NamedTuple):
@@ -22,7 +34,7 @@ class BlockCheck(NamedTuple):
     salt: bytes          # b"" for dedup domain 0; the domain's 8 bytes otherwise
 
 
-def matches(keyed, data, check: BlockCheck) -> bool:
+def matches(keyed: KeyedHash, data: Buffer, check: BlockCheck) -> bool:
     """Does ``data`` hash to ``check.key`` under ``keyed`` (a seeded xxh3-128 the caller never changes)?"""
     h = keyed.copy()
     if check.salt:
@@ -31,13 +43,16 @@ def matches(keyed, data, check: BlockCheck) -> bool:
     return h.digest() == check.key
 
 
-def read_block_verified_sync(device, off: int, check: BlockCheck, buf, keyed) -> Optional[memoryview]:
+def read_block_verified_sync(device: DevicePort, off: int, check: BlockCheck, buf: Optional[WritableBuffer],
+                             keyed: KeyedHash) -> Optional[memoryview]:
     """One block at ``off``: its verified read-only view, or None if it fails its check."""
     view = device.read_block_sync(off, check.length, buf)
     return view if matches(keyed, view, check) else None
 
 
-def read_run_verified_sync(device, off: int, checks: list, bufs: list, keyed) -> list:
+def read_run_verified_sync(device: DevicePort, off: int, checks: Sequence[BlockCheck],
+                           bufs: Sequence[Optional[WritableBuffer]],
+                           keyed: KeyedHash) -> list[Optional[memoryview]]:
     """A run of adjacent blocks at ``off`` in one device call; per block its view or None.
 
     One bad block fails alone, never its neighbours.
