@@ -48,6 +48,27 @@ def drop_kernel_cache():
         f.write("3")
 
 
+def data_region(fs):
+    """Where the data region starts: it runs to the end of the store file."""
+    off = os.path.getsize(fs.device) - fs.stats()["capacity_bytes"]
+    assert off > 0 and off % (1 << 20) == 0, off
+    return off
+
+
+def two_files(fs):
+    """Write "victim", then "other"; on a fresh store the victim's blocks come first.
+
+    Returns both contents and the device range of the victim's blocks.
+    """
+    start = data_region(fs)
+    victim, other = os.urandom(3 << 20), os.urandom(3 << 20)
+    write_new(fs.mnt / "victim", victim)
+    fs.flush()                                   # allocated from the start of the data region
+    write_new(fs.mnt / "other", other)
+    fs.flush()
+    return victim, other, [start, start + len(victim)]
+
+
 def slow_writes(seconds):
     """A fault plan for a slow device: every device write takes ``seconds`` longer."""
     return [{"op": "write", "effect": "delay", "seconds": seconds}]

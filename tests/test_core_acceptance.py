@@ -12,29 +12,11 @@ import time
 
 import pytest
 
+from filedata import pattern, write_file
 from kvfsmount import run_tool
 from threads import Workers
 
 MiB = 1 << 20
-
-
-def pattern(seed, size):
-    """Deterministic incompressible bytes (fast enough for a GiB)."""
-    return random.Random(seed).randbytes(size)
-
-
-def write_file(path, data, *, fsync=False, dir_fd=None):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            assert n > 0
-            view = view[n:]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha(path, chunk=8 * MiB):

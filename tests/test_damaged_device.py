@@ -20,8 +20,8 @@ import subprocess
 import pytest
 
 from kvfs import schema
+from filedata import pattern, write_file
 from kvfsmount import KvfsMount, run_tool
-from test_core_acceptance import pattern, write_file
 from unit.helpers import poke
 
 MiB = 1 << 20

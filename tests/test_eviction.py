@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from filedata import pattern
 from kvfsmount import run_tool
-from test_core_acceptance import pattern
 
 MiB = 1 << 20
 CHUNK = 32 * MiB

@@ -13,30 +13,9 @@ import time
 
 import pytest
 
-from kvfsmount import write_new      # one write() that must move every byte
+from kvfsmount import data_region, two_files, write_new
 
 MiB = 1 << 20
-
-
-def data_region(fs):
-    """Where the data region starts: it runs to the end of the store file."""
-    off = os.path.getsize(fs.device) - fs.stats()["capacity_bytes"]
-    assert off > 0 and off % MiB == 0, off
-    return off
-
-
-def two_files(fs):
-    """Write "victim", then "other"; on a fresh store the victim's blocks come first.
-
-    Returns both contents and the device range of the victim's blocks.
-    """
-    start = data_region(fs)
-    victim, other = os.urandom(3 * MiB), os.urandom(3 * MiB)
-    write_new(fs.mnt / "victim", victim)
-    fs.flush()                                   # allocated from the start of the data region
-    write_new(fs.mnt / "other", other)
-    fs.flush()
-    return victim, other, [start, start + len(victim)]
 
 
 def test_slow_device_keeps_close_at_memory_speed(kvfs_factory):

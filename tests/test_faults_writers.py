@@ -23,9 +23,7 @@ import pytest
 
 from kvfs.device import Device
 from kvfs.store import read_superblock
-from kvfsmount import write_new
-from test_faults_mounted import data_region, two_files
-from test_writeback_prefetch import drop_kernel_cache
+from kvfsmount import data_region, drop_kernel_cache, two_files, write_new
 
 MiB = 1 << 20
 FLUSH_FAILED = r"kvfs\.blockcache\.writeback: flushing a block failed"

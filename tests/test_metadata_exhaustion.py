@@ -11,7 +11,7 @@ tests/test_conformance.py's table.
 import errno
 import os
 
-from test_core_acceptance import pattern, write_file
+from filedata import pattern, write_file
 
 MiB = 1 << 20
 

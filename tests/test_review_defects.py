@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from filedata import pattern, write_file
 from kvfsmount import KvfsMount, slow_writes
-from test_core_acceptance import pattern, write_file
 from threads import Workers
 
 MiB = 1 << 20
