@@ -27,21 +27,24 @@ now could be overwritten by the late one.
 """
 import dataclasses
 import logging
+from typing import Any, Callable, Sequence
 
 import msgpack
 import trio
 
 from .. import schema
+from ..base.aligned import Buffer, WritableBuffer
 from ..base.crashpoints import crashpoint, die, reached
 from ..device.port import DevicePort
-from ..device.verified import BlockCheck, read_block_verified_sync, read_run_verified_sync  # noqa: F401 (BlockCheck: for the index)
+from ..device.verified import BlockCheck, KeyedHash, read_block_verified_sync, read_run_verified_sync  # noqa: F401 (BlockCheck: for the index)
 from ..errors import Busy, DeviceFailed, Fenced, FormatError, InternalError, JournalFull, KvfsError, NoSpace
 from . import mmp as mmp_protocol
-from .allocator import Allocator
-from .loader import load, read_superblock
+from .allocator import Allocator, Extent
+from .loader import Loaded, load, read_superblock
 from .mkfs import reserve_metadata_space
 from .mmp import MmpSettings
 from .opening import claim_and_load, probe_mountable, release_quietly as _release_quietly
+from .port import Record, StoreCut
 
 __all__ = ["Allocator", "ExtentStore", "MmpSettings", "StoreStatistics", "probe_mountable", "read_superblock"]
 
@@ -62,18 +65,10 @@ class StoreStatistics:
     pending_free_bytes: int
 
 
-@dataclasses.dataclass(frozen=True)
-class StoreCut:
-    appended: int            # records appended before the cut: the checkpoint covers them
-    free_map: tuple          # Allocator.copy_state() at the cut
-    pending_frees: list      # extents freed by records before the cut, not yet reusable
-    releasing: list = ()     # extents no record names, waiting for abandoned device calls
-
-
 class ExtentStore:
     """Allocator + journal + checkpoints over one open :class:`~kvfs.device.Device`."""
 
-    def __init__(self, device: DevicePort, loaded):
+    def __init__(self, device: DevicePort, loaded: Loaded) -> None:
         self.device = device
         self.sb = loaded.sb
         state = loaded.state
@@ -85,21 +80,22 @@ class ExtentStore:
         self._active_slot = loaded.active_slot    # slot index holding the newest checkpoint
         self._journal_cursor = loaded.journal_cursor   # bytes of journal used in this generation
         self._frame_seq = loaded.frame_seq
-        self._pending = []              # records appended, not yet durable (the newest last)
+        self._pending: list[Record] = []    # records appended, not yet durable (the newest last)
         self._appended = 0              # records appended since mount (monotonic)
         self._durable = 0               # of those, how many are durable
-        self._pending_frees = []        # (appended-count, off, nbytes) awaiting durability
-        self._releasing = set()         # (off, nbytes) free once abandoned device calls finish
+        self._pending_frees: list[tuple[int, int, int]] = []    # (appended-count, off, nbytes) awaiting durability
+        self._releasing: set[Extent] = set()    # (off, nbytes) free once abandoned device calls finish
         self._encode_limiter = trio.CapacityLimiter(1)   # checkpoint encoding, off the event loop
         self.replaying = True           # frees take effect at once during replay
         self._commit_lock = trio.Lock()
         self._commits = self._checkpoints = 0
-        self.loaded = loaded            # what mount replays; dropped by finish_replay
-        self.mmp = None                 # the claimed MMP record (mmp.MmpGuard), if any
+        self.loaded: Loaded | None = loaded     # what mount replays; dropped by finish_replay
+        self.mmp: mmp_protocol.MmpGuard | None = None       # the claimed MMP record, if any
         self.mmp_note = "not used"      # what multi-mount protection does here, for stats
 
     @classmethod
-    def open(cls, device, *, salvage=False, mmp=None, claim=True):
+    def open(cls, device: DevicePort, *, salvage: bool = False, mmp: MmpSettings | None = None,
+             claim: bool = True) -> "ExtentStore":
         """Load the store on ``device`` (synchronously); see :func:`kvfs.store.loader.load`.
 
         ``mmp`` (MmpSettings): first claim the MMP record (``claim``), or only
@@ -109,12 +105,13 @@ class ExtentStore:
         return cls.open_and_build(device, salvage=salvage, mmp=mmp, claim=claim)[0]
 
     @classmethod
-    def open_and_build(cls, device, *, salvage=False, mmp=None, claim=True, then=None, stream_inodes=False):
+    def open_and_build(cls, device: DevicePort, *, salvage: bool = False, mmp: MmpSettings | None = None,
+                       claim: bool = True, then: Callable[["ExtentStore"], Any] | None = None,
+                       stream_inodes: bool = False) -> tuple["ExtentStore", Any]:
         """(store, then(store)): :meth:`open`, and ``then`` (what the caller builds on the loaded store,
         writing nothing) runs while the claim waits. ``stream_inodes``: see loader.load."""
         def build(loaded, then=then or (lambda store: None)):
             return (store := cls(device, loaded)), then(store)
-
         guard, note = None, "not used"
         if mmp is not None:
             sb = read_superblock(device)
@@ -137,15 +134,15 @@ class ExtentStore:
 
     # -- multi-mount protection ---------------------------------------------
     @property
-    def fenced(self):
+    def fenced(self) -> str | None:
         """Why writes are stopped (another host owns the store), or None."""
         return self.device.fenced
 
-    def check_writable(self):
+    def check_writable(self) -> None:
         if self.device.fenced:
             raise self.device.fence_error(f"the store accepts no writes: {self.device.fenced}")
 
-    def fence(self, reason, error=Fenced):
+    def fence(self, reason: str, error: type[Exception] = Fenced) -> None:
         """Stop every write to the device, at once and for good (another host may own it, or
         ``error`` DeviceFailed: a metadata write went unanswered)."""
         if self.device.fenced:
@@ -163,7 +160,7 @@ class ExtentStore:
                        f"{self.device.timeout:g} s (io_timeout) and may still land", DeviceFailed)
         await self.device.run(fn, *args, on_abandon=abandoned)
 
-    async def keep_heartbeat(self):
+    async def keep_heartbeat(self) -> None:
         """The daemon's heartbeat task: one MMP heartbeat per interval until cancelled or fenced.
 
         From the claim until this task starts, a thread kept the heartbeat going
@@ -196,7 +193,7 @@ class ExtentStore:
                 self.fence(f"the multi-mount protection heartbeat has not been written for {age:.2f} s "
                            f"(more than {limit:g} s), so another host may take the store over")
 
-    def release_mmp(self):
+    def release_mmp(self) -> None:
         """Closing: give the MMP record back (CLEAN), unless fenced. Synchronous: call it once
         no task uses the store any more (after the daemon's event loop has ended)."""
         guard, self.mmp = self.mmp, None
@@ -206,7 +203,7 @@ class ExtentStore:
             else:
                 _release_quietly(guard)
 
-    def mmp_statistics(self):
+    def mmp_statistics(self) -> dict[str, Any]:
         fenced = self.fenced
         failed = self.device.fence_error is DeviceFailed
         out = {"mmp": f"fenced: {fenced}" if fenced and not failed else self.mmp_note,
@@ -215,44 +212,44 @@ class ExtentStore:
             out.update(self.mmp.statistics())
         return out
 
-    def finish_replay(self):
+    def finish_replay(self) -> None:
         """Called once upper layers have applied the replayed records."""
         self.replaying = False
         self.loaded = None
 
     # -- space --------------------------------------------------------------
     @property
-    def block_size(self):
+    def block_size(self) -> int:
         return self.sb.block_size
 
     @property
-    def hash_seed(self):
+    def hash_seed(self) -> int:
         return self.sb.hash_seed
 
     @property
-    def key_secret(self):
+    def key_secret(self) -> bytes:
         """The content keys' secret (b"" on a format version 1 store)."""
         return self.sb.key_secret
 
     @property
-    def capacity_bytes(self):
+    def capacity_bytes(self) -> int:
         return self.sb.data_len
 
-    def free_extents(self):
+    def free_extents(self) -> list[Extent]:
         return self.allocator.extents()
 
-    def free_slots(self):
+    def free_slots(self) -> int:
         """Whole block-sized pieces of free space (see Allocator.slots)."""
         return self.allocator.slots
 
-    def allocate(self, nbytes, *, follow=None, window=0, lead=0):
+    def allocate(self, nbytes: int, *, follow: int | None = None, window: int = 0, lead: int = 0) -> int:
         """A free extent; ``follow``, ``window`` and ``lead`` place a file's blocks in runs (Allocator)."""
         return self.allocator.allocate(nbytes, follow=follow, window=window, lead=lead)
 
-    def allocate_at(self, off, nbytes):
+    def allocate_at(self, off: int, nbytes: int) -> None:
         self.allocator.allocate_at(off, nbytes)
 
-    def release_unused(self, off, nbytes):
+    def release_unused(self, off: int, nbytes: int) -> None:
         """Give back an extent that no record ever named (a failed block write)."""
         self._give_back([(off, schema.align_up(nbytes))])
 
@@ -267,7 +264,7 @@ class ExtentStore:
                 self.allocator.free(off, nbytes)
         self.device.after_abandoned(release)
 
-    def free(self, off, nbytes):
+    def free(self, off: int, nbytes: int) -> None:
         """Free an extent; live frees wait until the freeing record is durable."""
         if self.replaying:
             self.allocator.free(off, nbytes)
@@ -275,53 +272,56 @@ class ExtentStore:
             self._pending_frees.append((self._appended, off, schema.align_up(nbytes)))
 
     @property
-    def pending_free_bytes(self):
+    def pending_free_bytes(self) -> int:
         return sum(n for _, _, n in self._pending_frees)
 
     # -- block bytes --------------------------------------------------------
-    async def write_extent(self, off, data, source=None):
+    async def write_extent(self, off: int, data: Buffer, source: Buffer | None = None) -> None:
         """Write block bytes into an allocated extent (``source``: see Device.pwrite_sync)."""
         await self.device.pwrite(off, data, source)
 
-    async def write_extents(self, writes):
+    async def write_extents(self, writes: Sequence[tuple]) -> list[KvfsError | None]:
         """Write several allocated extents in one device call: per write None or its KvfsError."""
         return await self.device.pwrite_each(writes)
 
-    def read_verified_sync(self, off, check, buf, keyed):
+    def read_verified_sync(self, off: int, check: BlockCheck, buf: WritableBuffer | None,
+                           keyed: KeyedHash) -> memoryview | None:
         """Read one extent and check it (kvfs/device/verified.py): its view, or None. Worker thread."""
         return read_block_verified_sync(self.device, off, check, buf, keyed)
 
-    async def read_verified(self, off, check, buf, keyed):
+    async def read_verified(self, off: int, check: BlockCheck, buf: WritableBuffer | None,
+                            keyed: KeyedHash) -> memoryview | None:
         """:meth:`read_verified_sync` in a device worker thread."""
         return await self.device.run(read_block_verified_sync, self.device, off, check, buf, keyed, writes=False)
 
-    async def read_run_verified(self, off, checks, bufs, keyed):
+    async def read_run_verified(self, off: int, checks: Sequence[BlockCheck], bufs: Sequence[WritableBuffer | None],
+                                keyed: KeyedHash) -> list[memoryview | None]:
         """Adjacent extents from ``off``, one device call, each checked: per extent its view or None."""
         return await self.device.run(read_run_verified_sync, self.device, off, checks, bufs, keyed, writes=False)
 
     # -- journal ------------------------------------------------------------
-    def append(self, record):
+    def append(self, record: Record) -> None:
         """Queue a record; it is durable once a later :meth:`commit` returns."""
         self.check_writable()
         self._pending.append(record)
         self._appended += 1
 
-    def reserve_metadata_space(self):
+    def reserve_metadata_space(self) -> None:
         """Best effort at mount, for stores made before mkfs did this itself."""
         try:
             reserve_metadata_space(self.device, self.sb)
         except KvfsError as exc:
             log.warning("%s; a full host filesystem may then stall metadata commits", exc)
 
-    def checkpoint_capacity(self):
+    def checkpoint_capacity(self) -> int:
         """Bytes of state one checkpoint slot holds."""
         return self.sb.checkpoint_len - schema.SECTOR
 
     @property
-    def journal_fill(self):
+    def journal_fill(self) -> float:
         return self._journal_cursor / self.sb.journal_len
 
-    async def commit(self):
+    async def commit(self) -> None:
         """Make every record appended so far durable (group commit).
 
         Raises JournalFull when the frame does not fit in the rest of the
@@ -355,7 +355,7 @@ class ExtentStore:
             self._commits += 1
             await self._made_durable(upto)
 
-    async def checkpoint(self, state, transient=()):
+    async def checkpoint(self, state: schema.CheckpointState, transient: Sequence[Extent] = ()) -> None:
         """Write ``state`` to the inactive slot and start a new journal generation.
 
         ``state`` (a CheckpointState without ``free``) must reflect exactly the
@@ -368,12 +368,13 @@ class ExtentStore:
         await trio.to_thread.run_sync(schema.write_state, writer, state, limiter=self._encode_limiter)
         await self.write_checkpoint(cut, writer, transient)
 
-    def cut(self):
+    def cut(self) -> StoreCut:
         """What a checkpoint needs of the store at this instant: cheap copies, no await."""
         return StoreCut(self._appended, self.allocator.copy_state(),
                         [(off, n) for _, off, n in self._pending_frees], list(self._releasing))
 
-    async def write_checkpoint(self, cut, writer, transient=()):
+    async def write_checkpoint(self, cut: StoreCut, writer: schema.CheckpointWriter,
+                               transient: Sequence[Extent] = ()) -> None:
         """Finish ``writer`` (a schema.CheckpointWriter holding the namespace and the blocks
         at ``cut``) with the free map at the cut, and write it.
 
@@ -389,7 +390,6 @@ class ExtentStore:
                 free.free(off, n)
             writer.put("free", [list(e) for e in free.extents()])
             return None if writer.overflowed else writer.finish()
-
         payload = await trio.to_thread.run_sync(finish, limiter=self._encode_limiter)
         if payload is None:
             raise NoSpace(f"metadata ({writer.size} bytes) exceeds the checkpoint slot "
@@ -411,7 +411,7 @@ class ExtentStore:
             self._checkpoints += 1
             await self._made_durable(upto)
 
-    async def write_repaired(self, state, free, min_generation):
+    async def write_repaired(self, state: schema.CheckpointState, free: Sequence[Extent], min_generation: int) -> int:
         """fsck: write ``state`` with exactly the free map ``free``, at a generation above
         ``min_generation`` (so no leftover frame of a newer generation can replay on it).
         Returns the generation written."""
@@ -475,7 +475,7 @@ class ExtentStore:
             except KvfsError as exc:
                 log.warning("discard failed: %s", exc)
 
-    def statistics(self):
+    def statistics(self) -> StoreStatistics:
         return StoreStatistics(self.generation, self._journal_cursor, self.sb.journal_len,
                                self._frame_seq, self._commits, self._checkpoints,
                                len(self._pending), self.sb.data_len, self.allocator.free_bytes,

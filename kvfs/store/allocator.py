@@ -1,8 +1,14 @@
 """The free-space map of the data region."""
+from __future__ import annotations
+
 import bisect
+from typing import Iterable, Optional
 
 from .. import schema
 from ..errors import FormatError, NoSpace
+
+Extent = tuple[int, int]                    # (device offset, bytes)
+FreeMap = tuple[list[int], dict[int, int]]  # Allocator.copy_state(): the starts, and the length at each
 
 
 class Allocator:
@@ -37,31 +43,32 @@ class Allocator:
 
     SMALL_FIT_SCAN = 64          # extents examined for a slot-free home of a small allocation
 
-    def __init__(self, start, length, free_extents=None, *, slot=schema.SECTOR):
+    def __init__(self, start: int, length: int, free_extents: Optional[Iterable[Extent]] = None, *,
+                 slot: int = schema.SECTOR) -> None:
         self.start = start
         self.end = start + length
         self.slot = slot
-        self._starts = []
-        self._len = {}
+        self._starts: list[int] = []
+        self._len: dict[int, int] = {}
         self._cursor = start
         self.free_bytes = 0
         self.slots = 0
         for off, n in (free_extents if free_extents is not None else [(start, length)]):
             self.free(off, n)
 
-    def extents(self):
+    def extents(self) -> list[Extent]:
         return [(s, self._len[s]) for s in self._starts]
 
-    def copy_state(self):
+    def copy_state(self) -> FreeMap:
         """A cheap copy of the map (two C-level copies): ``extents_of`` turns it into extents later."""
         return self._starts.copy(), self._len.copy()
 
     @staticmethod
-    def extents_of(state):
+    def extents_of(state: FreeMap) -> list[Extent]:
         starts, lengths = state
         return [(s, lengths[s]) for s in starts]
 
-    def allocate(self, nbytes, *, follow=None, window=0, lead=0):
+    def allocate(self, nbytes: int, *, follow: Optional[int] = None, window: int = 0, lead: int = 0) -> int:
         """An extent of ``nbytes`` (rounded up to sectors).
 
         ``follow``, ``window``: see the class. ``lead``: a block that starts a run
@@ -137,7 +144,7 @@ class Allocator:
             return None
         raise NoSpace(f"no free extent of {nbytes} bytes ({self.free_bytes} bytes free in total)")
 
-    def allocate_at(self, off, nbytes):
+    def allocate_at(self, off: int, nbytes: int) -> None:
         """Mark [off, off+nbytes) allocated; it must be free (used by replay)."""
         nbytes = schema.align_up(nbytes)
         i = bisect.bisect_right(self._starts, off) - 1
@@ -167,7 +174,7 @@ class Allocator:
         self.slots -= nbytes // self.slot
         return nbytes
 
-    def free(self, off, nbytes):
+    def free(self, off: int, nbytes: int) -> None:
         nbytes = schema.align_up(nbytes)
         if off < self.start or off + nbytes > self.end or off % schema.SECTOR:
             raise FormatError(f"freeing extent [{off}, +{nbytes}) outside the data region")

@@ -18,9 +18,12 @@ writes its verdict to a pipe and leaves with ``os._exit``. If it dies instead
 under ``MIN_PAYLOAD`` and single-CPU hosts are checked in process, as before:
 there a fork gains nothing.
 """
+from __future__ import annotations
+
 import os
 import signal
 import warnings
+from typing import Callable, Optional
 
 from ..errors import FormatError
 
@@ -28,7 +31,7 @@ MIN_PAYLOAD = 4 << 20           # bytes: about 30,000 files; below it the checks
 _DONE = b"\x01"                 # first byte of a verdict: the child finished (what follows: refusal)
 
 
-def start(check, payload_len):
+def start(check: Callable[[], None], payload_len: int) -> Optional[ChildCheck]:
     """A ChildCheck running ``check()`` (None, or raises FormatError) in a forked child;
     None when the checks should run in process (small payload, one CPU, no fork)."""
     if payload_len < MIN_PAYLOAD or len(os.sched_getaffinity(0)) < 2:
@@ -75,11 +78,12 @@ def _write_all(fd, data):
 class ChildCheck:
     """The child's verdict, once: :meth:`verdict` waits for it."""
 
-    def __init__(self, pid, rfd, check):
-        self.pid, self._rfd, self._check = pid, rfd, check
-        self.ran_in_child = None                # True / False once the verdict is in
+    def __init__(self, pid: int, rfd: int, check: Callable[[], None]) -> None:
+        self.pid: Optional[int] = pid
+        self._rfd, self._check = rfd, check
+        self.ran_in_child: Optional[bool] = None                # True / False once the verdict is in
 
-    def verdict(self):
+    def verdict(self) -> str:
         """'' if the checkpoint passed, else the refusal's message (the checks run here if the child died)."""
         chunks = []
         try:

@@ -9,17 +9,22 @@ instead: ``damage`` lists the proofs, ``records`` holds every record that may
 still apply, and ``highest_generation`` is the newest generation seen
 anywhere, which a repair checkpoint must exceed.
 """
+from __future__ import annotations
+
 import logging
 import operator
+from typing import Any, Optional
 
 import msgpack
 import xxhash
 
 from .. import schema
+from ..base.aligned import Buffer
+from ..device.port import DevicePort
 from ..errors import FormatError
 from ..schema.stream import decode_streaming
 from ..schema.validate import check_block_count
-from .childcheck import start as start_child_check
+from .childcheck import ChildCheck, start as start_child_check
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +32,8 @@ JOURNAL_READ_WINDOW = 4 << 20
 FIRST_INO = 16                  # schema: 0..15 are reserved
 
 
-def load(device, *, salvage=False, decode_checkpoint=True, stream_inodes=False):
+def load(device: DevicePort, *, salvage: bool = False, decode_checkpoint: bool = True,
+         stream_inodes: bool = False) -> Loaded:
     """A :class:`Loaded` store; FormatError with the reason if it must not be mounted.
 
     Without ``decode_checkpoint`` (mount.kvfs's check before it forks the daemon)
@@ -56,36 +62,36 @@ def load(device, *, salvage=False, decode_checkpoint=True, stream_inodes=False):
 class Loaded:
     """What loading found: the checkpoint state, the records to replay, and where the journal ends."""
 
-    def __init__(self, device, sb, salvage):
+    def __init__(self, device: DevicePort, sb: schema.Superblock, salvage: bool) -> None:
         self.device = device
         self.sb = sb
         self.salvage = salvage
         self.generation = 0
         self._active_slot = 0
-        self.state = None                # schema.CheckpointState
-        self.records = []                # schema records of the committed journal prefix
-        self.replay_report = {}
-        self.damage = []                 # proofs that loading lost committed changes
+        self.state: Optional[schema.CheckpointState] = None
+        self.records: list[Any] = []     # schema records of the committed journal prefix
+        self.replay_report: dict[str, Any] = {}
+        self.damage: list[str] = []      # proofs that loading lost committed changes
         self.highest_generation = 0      # newest generation seen in any slot header or frame
         self.skipped_records = 0         # salvage: records that do not decode
         self.stream_inodes = False       # state.inodes decoded as it is consumed (load's stream_inodes)
-        self._child_check = None         # a childcheck.ChildCheck until confirm_checked
+        self._child_check: Optional[ChildCheck] = None   # until confirm_checked
         self._journal_cursor = self._frame_seq = 0
         self._newer_frames_reported = False
 
     @property
-    def active_slot(self):
+    def active_slot(self) -> int:
         return self._active_slot
 
     @property
-    def journal_cursor(self):
+    def journal_cursor(self) -> int:
         return self._journal_cursor
 
     @property
-    def frame_seq(self):
+    def frame_seq(self) -> int:
         return self._frame_seq
 
-    def journal_grew(self):
+    def journal_grew(self) -> bool:
         """A valid next frame where the loaded journal ends: something was committed since the load."""
         header, _ = self._frame_at(self._journal_reader(), self._journal_cursor)
         return header is not None and header[:2] == (self.generation, self._frame_seq)
@@ -194,7 +200,7 @@ class Loaded:
         if not self.salvage and self._child_check is None:     # fsck reports and repairs the space map itself
             check_extents(self.sb, self.state)
 
-    def confirm_checked(self):
+    def confirm_checked(self) -> None:
         """Wait for the checkpoint checks a child runs (if one does); FormatError if they refuse.
 
         A mount calls this before it uses anything built from the rows: they were
@@ -366,7 +372,7 @@ class Loaded:
                                f"newer than the checkpoint in use (generation {self.generation})")
 
 
-def read_superblock(device):
+def read_superblock(device: DevicePort) -> schema.Superblock:
     """Decode the primary superblock, naming the backup if only that one is good."""
     if device.size < schema.MIN_DEVICE_SIZE:
         raise FormatError(f"{device.path}: {device.size} bytes is too small to hold kvfs")
@@ -390,7 +396,7 @@ def read_superblock(device):
     return sb
 
 
-def check_extent(sb, off, length, what):
+def check_extent(sb: schema.Superblock, off: int, length: int, what: str) -> None:
     """FormatError unless [off, off+length) is a sector-aligned piece of the data region holding a block."""
     if off % schema.SECTOR or off < sb.data_off or off + schema.align_up(length) > sb.data_off + sb.data_len:
         raise FormatError(f"{what} at {off} (+{length}) lies outside the data region")
@@ -398,7 +404,7 @@ def check_extent(sb, off, length, what):
         raise FormatError(f"{what} at {off} is {length} bytes, more than the block size {sb.block_size}")
 
 
-def check_payload(sb, payload):
+def check_payload(sb: schema.Superblock, payload: Buffer) -> None:
     """Every check a mount's decode of ``payload`` makes, and nothing built: a child runs this."""
     state = decode_streaming(payload, FIRST_INO, sb.block_size)         # block rows checked here
     if state is not None:
@@ -408,7 +414,7 @@ def check_payload(sb, payload):
                 pass
 
 
-def check_extents(sb, state):
+def check_extents(sb: schema.Superblock, state: schema.CheckpointState) -> None:
     """The checkpoint's block extents and free extents lie in the data region and never overlap.
 
     Mount refuses such a checkpoint: an allocator built over overlapping extents

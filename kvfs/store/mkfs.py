@@ -1,16 +1,21 @@
 """Making a new store: create the file if asked, check what is there, write an empty kvfs."""
+from __future__ import annotations
+
 import os
 import stat
 import time
+from typing import Optional
 
 import msgpack
 
 from .. import schema
 from ..device import Device
+from ..device.port import DevicePort
 from ..errors import InvalidArgument, NotFound
 
 
-def make_filesystem(path, size=None, block_size=schema.DEFAULT_BLOCK_SIZE, force=False):
+def make_filesystem(path: str | os.PathLike, size: Optional[int] = None,
+                    block_size: int = schema.DEFAULT_BLOCK_SIZE, force: bool = False) -> schema.Superblock:
     """Create (if needed) and format ``path``. Returns the new superblock.
 
     Every argument is checked before anything on disk changes. If formatting
@@ -78,7 +83,7 @@ def _remove_if_ours(path, created):
         pass
 
 
-def format_device(device, block_size, now_ns):
+def format_device(device: DevicePort, block_size: int, now_ns: int) -> schema.Superblock:
     """Write a fresh, empty filesystem (mkfs). Returns the superblock."""
     sb = schema.Superblock.create(device.size, block_size, now_ns)
     empty = msgpack.packb({})
@@ -95,6 +100,6 @@ def format_device(device, block_size, now_ns):
     return sb
 
 
-def reserve_metadata_space(device, sb):
+def reserve_metadata_space(device: DevicePort, sb: schema.Superblock) -> None:
     """Back the checkpoint slots and the journal with real host space (file-backed stores)."""
     device.preallocate_sync(sb.checkpoint_a_off, sb.data_off - sb.checkpoint_a_off)

@@ -35,6 +35,8 @@ A clean unmount writes the record back as CLEAN (:meth:`MmpGuard.release_sync`).
 Everything here is synchronous: the daemon runs claim before its event loop
 starts, and each heartbeat in a device worker thread.
 """
+from __future__ import annotations
+
 import dataclasses
 import datetime
 import logging
@@ -43,8 +45,10 @@ import random
 import socket
 import threading
 import time
+from typing import Any, Callable, Optional
 
 from .. import schema
+from ..device.port import DevicePort
 from ..errors import Busy, FormatError
 
 log = logging.getLogger(__name__)
@@ -57,7 +61,7 @@ HOST_ID_ENV = "KVFS_TEST_HOST_ID"
 MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 
-def interval_for(io_retry):
+def interval_for(io_retry: float) -> float:
     """The default heartbeat interval: long enough that a path loss the device rides
     out (``io_retry`` seconds of retries) does not fence the owner first, since the
     owner fences itself after ``overdue_limit`` = 4 intervals + 2.5 s without a
@@ -66,7 +70,7 @@ def interval_for(io_retry):
     return max(DEFAULT_INTERVAL, min(MAX_INTERVAL, io_retry / 4))
 
 
-def grace_period(interval):
+def grace_period(interval: float) -> float:
     """How long a record must stay unchanged before its owner counts as dead:
     3 heartbeat intervals, plus a margin of one more and 3 s for a loaded owner
     whose heartbeat runs late (a busy disk delays a 4 KiB write by seconds; the
@@ -74,19 +78,19 @@ def grace_period(interval):
     return 4 * interval + 3.0
 
 
-def overdue_limit(interval):
+def overdue_limit(interval: float) -> float:
     """How old the owner's last heartbeat may get before it fences itself: another host
     may take over once the record has stood still for a grace period, and the owner
     must have stopped writing by then (with half a second to spare)."""
     return grace_period(interval) - 0.5
 
 
-def claim_wait(interval):
+def claim_wait(interval: float) -> float:
     """How long a claim waits before reading its record back (ext4 waits about as long)."""
     return 2 * interval
 
 
-def this_host_id():
+def this_host_id() -> str:
     """This host's id: $KVFS_TEST_HOST_ID (tests), else /etc/machine-id, else the hostname."""
     forced = os.environ.get(HOST_ID_ENV)
     if forced:
@@ -114,12 +118,12 @@ class MmpSettings:
     # The bytes of a record that a probe watched go stale. mount.kvfs probes
     # before it forks the daemon, which inherits this: finding the very same
     # bytes, the daemon's claim need not watch them for a second grace period.
-    seen_stale: bytes = None
-    sleep: object = time.sleep          # unit tests pass their own clock
-    clock: object = time.monotonic
+    seen_stale: Optional[bytes] = None
+    sleep: Callable[[float], None] = time.sleep     # unit tests pass their own clock
+    clock: Callable[[], float] = time.monotonic
 
 
-def describe(record):
+def describe(record: Optional[schema.MmpRecord]) -> str:
     """The owner in words: host, id, pid, program, mount time, heartbeat."""
     if record is None:
         return "nobody (never claimed)"
@@ -129,7 +133,8 @@ def describe(record):
             f"{record.seq} every {record.interval_s:g} s")
 
 
-def read_record(device, sb):
+def read_record(device: DevicePort, sb: schema.Superblock
+                ) -> tuple[bytes, Optional[schema.MmpRecord], Optional[FormatError]]:
     """(raw sector, record or None, FormatError or None) of the MMP sector."""
     raw = bytes(device.pread_sync(sb.mmp_off, schema.SECTOR))
     try:
@@ -167,10 +172,10 @@ class Verdict:
     """What probing found: ``how`` the store may be claimed, and the record that was there."""
 
     how: str            # "free", "stale", "forced" or "crashed here"
-    record: object      # schema.MmpRecord, or None (never claimed, or damaged)
-    damage: str = None  # why the sector did not decode, if it did not
+    record: Optional[schema.MmpRecord]  # None: never claimed, or damaged
+    damage: Optional[str] = None  # why the sector did not decode, if it did not
 
-    def takeover(self):
+    def takeover(self) -> Optional[str]:
         """A warning's text if claiming takes an owner's place, else None."""
         if self.how == "free":
             return None
@@ -180,7 +185,7 @@ class Verdict:
         return f"taking over from {owner}: {why}"
 
 
-def probe(device, sb, settings):
+def probe(device: DevicePort, sb: schema.Superblock, settings: MmpSettings) -> Verdict:
     """Decide whether the store may be claimed now; raise Busy naming a live owner.
 
     Watching an IN_USE record takes up to a grace period; nothing is written.
@@ -228,7 +233,7 @@ def _new_record(settings, state=schema.MMP_IN_USE):
                             hostname=settings.hostname, program=settings.program)
 
 
-def claim(device, sb, settings):
+def claim(device: DevicePort, sb: schema.Superblock, settings: MmpSettings) -> MmpGuard:
     """Probe, then write our record, wait, and make sure it is still ours. Returns an MmpGuard."""
     verdict = probe(device, sb, settings)
     warning = verdict.takeover()
@@ -266,7 +271,8 @@ def claim(device, sb, settings):
 class MmpGuard:
     """The claimed MMP record of a mounted store: heartbeats and the release."""
 
-    def __init__(self, device, sb, record, encoded, settings, written):
+    def __init__(self, device: DevicePort, sb: schema.Superblock, record: schema.MmpRecord, encoded: bytes,
+                 settings: MmpSettings, written: float) -> None:
         self.device = device
         self.sb = sb
         self.record = record
@@ -274,11 +280,13 @@ class MmpGuard:
         self.interval = settings.interval
         self.heartbeats = 0
         self.last_heartbeat = written           # time.monotonic() when the last write of our record began
-        self._thread = self._stop = self._failure = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop: Optional[threading.Event] = None
+        self._failure: Optional[Exception] = None
 
     # Between the claim and the daemon's heartbeat task (loading, replay), and for
     # fsck --repair, a plain thread keeps the heartbeat going.
-    def start_background(self):
+    def start_background(self) -> None:
         self._stop, self._failure = threading.Event(), None
         self._thread = threading.Thread(target=self._background, name="kvfs-mmp-heartbeat", daemon=True)
         self._thread.start()
@@ -291,7 +299,7 @@ class MmpGuard:
                 self._failure = exc
                 return
 
-    def stop_background(self, quiet=False):
+    def stop_background(self, quiet: bool = False) -> None:
         """Stop the thread; raise what made it stop early, if anything (unless ``quiet``)."""
         if self._thread is not None:
             self._stop.set()
@@ -301,7 +309,7 @@ class MmpGuard:
         if failure is not None and not quiet:
             raise failure
 
-    def check_still_ours(self):
+    def check_still_ours(self) -> None:
         raw, record, damage = read_record(self.device, self.sb)
         if raw != self._encoded:
             owner = describe(record) if record else f"an unreadable record ({damage})"
@@ -315,7 +323,7 @@ class MmpGuard:
             self.device.sync_sync()
         self.record, self._encoded = record, encoded
 
-    def heartbeat_sync(self):
+    def heartbeat_sync(self) -> None:
         """One heartbeat (worker thread): check the record is ours, advance its sequence.
 
         With O_DIRECT the write reaches the device itself, which every host reads;
@@ -328,17 +336,17 @@ class MmpGuard:
         self.heartbeats += 1
         self.last_heartbeat = started
 
-    def release_sync(self):
+    def release_sync(self) -> None:
         """Clean unmount: mark the record CLEAN (it keeps naming its last owner)."""
         self.check_still_ours()
         self._write(self.record.replace(state=schema.MMP_CLEAN, seq=(self.record.seq + 1) % (1 << 64),
                                         heartbeat_ns=time.time_ns()), sync=True)
 
-    def heartbeat_age(self):
+    def heartbeat_age(self) -> float:
         """Seconds since our record was last written."""
         return time.monotonic() - self.last_heartbeat
 
-    def statistics(self):
+    def statistics(self) -> dict[str, Any]:
         return {"mmp_owner": describe(self.record), "mmp_seq": self.record.seq,
                 "mmp_interval_s": self.interval, "mmp_heartbeats": self.heartbeats,
                 "mmp_heartbeat_age_s": round(self.heartbeat_age(), 3)}

@@ -27,17 +27,25 @@ A load that fails (a damaged store) fails before the claim has decided, and the
 claim's thread is waited for and its record released, as before: a refused mount
 leaves the MMP sector as the release writes it (clean), never the data.
 """
+from __future__ import annotations
+
 import logging
 import threading
+from typing import Any, Callable, TypeVar
 
 from .. import schema
+from ..device.port import DevicePort
 from ..errors import KvfsError
+from .mmp import MmpGuard, MmpSettings
 from .mmp import claim as claim_record
 from .mmp import probe as probe_record
+from .loader import Loaded
 from .loader import load as load_store
 from .loader import read_superblock
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _fingerprint(device, sb):
@@ -46,7 +54,7 @@ def _fingerprint(device, sb):
                     for off in (0, schema.SECTOR, sb.checkpoint_a_off, sb.checkpoint_b_off))
 
 
-def release_quietly(guard):
+def release_quietly(guard: MmpGuard) -> None:
     try:
         guard.stop_background(quiet=True)
         guard.release_sync()
@@ -67,7 +75,8 @@ def _loaded(loaded):
     return loaded
 
 
-def claim_and_load(device, sb, settings, *, salvage=False, prepare=_loaded, stream_inodes=False):
+def claim_and_load(device: DevicePort, sb: schema.Superblock, settings: MmpSettings, *, salvage: bool = False,
+                   prepare: Callable[[Loaded], T] = _loaded, stream_inodes: bool = False) -> tuple[T, MmpGuard]:
     """(prepare(Loaded), MmpGuard) of a store this host now owns, its guard heartbeating;
     Busy if another owns it. ``prepare`` runs on the loaded store while the claim waits.
     ``stream_inodes``: see :func:`kvfs.store.loader.load`."""
@@ -81,7 +90,7 @@ def claim_and_load(device, sb, settings, *, salvage=False, prepare=_loaded, stre
         except BaseException:
             release_quietly(guard)
             raise
-    outcome = {}
+    outcome: dict[str, Any] = {}
 
     def claiming():
         try:
@@ -116,7 +125,7 @@ def claim_and_load(device, sb, settings, *, salvage=False, prepare=_loaded, stre
         raise
 
 
-def probe_mountable(device, mmp):
+def probe_mountable(device: DevicePort, mmp: MmpSettings) -> None:
     """What mount.kvfs checks before it forks the daemon, reading only: Busy if a
     live owner holds the MMP record; FormatError if the superblock, either
     checkpoint's checksum or the journal says the store must not be mounted.
