@@ -50,10 +50,13 @@ flag is not reachable either, so kvfs ends the session through
 Only pyfuse3 versions whose loop was read for this are patched
 (``PYFUSE3_VERSIONS``); with any other, pyfuse3 is left alone.
 """
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import dataclasses
 import select
+from typing import Optional
 
 import pyfuse3
 import trio
@@ -90,7 +93,7 @@ SKIPS_BETWEEN_CHECKPOINTS = 8
 class RequestWait:
     """The replacement for ``pyfuse3._wait_fuse_readable`` on the session's /dev/fuse ``fd``."""
 
-    def __init__(self, fd):
+    def __init__(self, fd: int) -> None:
         self.fd = fd
         self.stopping = False
         self._lock = trio.Lock()
@@ -103,7 +106,7 @@ class RequestWait:
         self._parked = False        # a task is in wait_readable, or woken from it and not run yet
 
     @classmethod
-    def install(cls, fd):
+    def install(cls, fd: int) -> Optional[RequestWait]:
         """Replace pyfuse3's wait with one on ``fd``; returns it, or None if this pyfuse3 is not known."""
         if pyfuse3.__version__ not in PYFUSE3_VERSIONS or not hasattr(pyfuse3, "_wait_fuse_readable"):
             return None
@@ -111,12 +114,12 @@ class RequestWait:
         pyfuse3._wait_fuse_readable = wait.wait
         return wait
 
-    def terminate(self):
+    def terminate(self) -> None:
         """End the session: what ``pyfuse3.terminate()`` does, plus the exit check waiting tasks make."""
         self.stopping = True
         pyfuse3.terminate()
 
-    async def wait(self):
+    async def wait(self) -> bool:
         """True once a request can be read without blocking; False when the loop should end."""
         if (self._skips < SKIPS_BETWEEN_CHECKPOINTS and not self._parked and not self.stopping
                 and _libc_poll(self._pollfd_at, 1, 0) > 0):
@@ -142,5 +145,5 @@ class RequestWait:
             return False
         return True
 
-    def statistics(self):
+    def statistics(self) -> RequestWaitStatistics:
         return RequestWaitStatistics(self._queued, self._idle, self._unlocked)

@@ -5,20 +5,27 @@ This is the only place where errors become errnos: every handler is wrapped by
 its errno and any other exception into a logged EIO. (pyfuse3 kills its main
 loop on any exception that is not a FUSEError.)
 """
+from __future__ import annotations
+
 import errno
 import functools
 import json
 import logging
 import os
 import stat
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import pyfuse3
+from pyfuse3 import (EntryAttributes, FileHandleT, FileInfo, FileNameT, FlagT, InodeT, ModeT, ReaddirToken,
+                     RequestContext, SetattrFields, StatvfsData, XAttrNameT)
 
+from ..base.aligned import Buffer
 from ..errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, NoData, NotFound, NotPermitted,
                      NotSupported)
 from ..namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
 from ..namespace.port import NamespacePort
-from .pagefill import FILL_MOST
+from .pagedrops import KernelPageDropper
+from .pagefill import FILL_MOST, PageFiller
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +55,16 @@ DOT_ENTRIES = 2             # "." and ".." lead every listing
 STATFS_BSIZE = 4096          # LMCache uses O_DIRECT only if f_bsize divides its chunk size
 BY_HASH_POLICIES = ("root", "owner")
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def _errno_mapped(handler):
+
+class Control(Protocol):
+    """What the handlers ask of the daemon (kvfs/server/daemon.py, an application above this layer)."""
+    def stats(self) -> dict[str, Any]: ...
+    async def command(self, text: str) -> Any: ...     # a JSON-able answer, or None
+
+
+def _errno_mapped(handler: F) -> F:
     @functools.wraps(handler)
     async def wrapper(self, *args):
         try:
@@ -59,7 +74,7 @@ def _errno_mapped(handler):
     return wrapper
 
 
-def _fuse_error(handler_name, exc):
+def _fuse_error(handler_name: str, exc: Exception) -> pyfuse3.FUSEError:
     """The FUSEError that ``exc``, raised by a handler, becomes (call it in the ``except`` block: it logs)."""
     if isinstance(exc, pyfuse3.FUSEError):
         return exc
@@ -86,7 +101,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     enable_writeback_cache = False
 
-    def __init__(self, namespace: NamespacePort, control, *, by_hash: str = "root"):
+    def __init__(self, namespace: NamespacePort, control: Control, *, by_hash: str = "root") -> None:
         super().__init__()
         if by_hash not in BY_HASH_POLICIES:
             raise ValueError(f"by_hash must be one of {BY_HASH_POLICIES}")
@@ -95,18 +110,18 @@ class KvfsOperations(pyfuse3.Operations):
         self.control = control
         self.by_hash = by_hash
         self.owner_uid = os.getuid()
-        self._dir_handles = {}
+        self._dir_handles: dict[int, tuple[int, Any]] = {}     # fh -> (ino, by-hash snapshot or None)
         self._next_dir_fh = 1
-        self._results = {}               # caller pid -> JSON answer of its last control command
-        self.page_dropper = None         # a KernelPageDropper once mounted (kvfs/fuse/pagedrops.py)
-        self.page_filler = None          # a PageFiller once mounted (kvfs/fuse/pagefill.py)
+        self._results: dict[int, bytes] = {}     # caller pid -> JSON answer of its last control command
+        self.page_dropper: Optional[KernelPageDropper] = None    # once mounted (kvfs/fuse/pagedrops.py)
+        self.page_filler: Optional[PageFiller] = None            # once mounted (kvfs/fuse/pagefill.py)
         self.kernel_reads = 0            # READ requests from the kernel (page fills are not among them)
         self.kernel_lookups = 0          # LOOKUP and GETATTR requests: what the kernel could not answer
         self.kernel_getattrs = 0         # from its caches (see ENTRY_TIMEOUT)
         self.entry_invalidations = 0     # names dropped from the kernel's dentry cache (entry_removed)
 
     # -- attributes -----------------------------------------------------------
-    def _entry(self, ino):
+    def _entry(self, ino: InodeT) -> EntryAttributes:
         # Every LOOKUP and GETATTR the kernel sends makes one: each Python call
         # here costs about 1,000 instructions on the loop thread, so the
         # namespace answers in one call and the block size is kept.
@@ -132,10 +147,10 @@ class KvfsOperations(pyfuse3.Operations):
             e.st_mode, e.st_uid = stat.S_IFDIR | 0o500, self.owner_uid
         return e
 
-    def _privileged(self, ctx):
+    def _privileged(self, ctx: Optional[RequestContext]) -> bool:
         return ctx is not None and ctx.uid in (0, self.owner_uid)
 
-    def _view_caller(self, ctx):
+    def _view_caller(self, ctx: Optional[RequestContext]) -> Optional[tuple[int, int]]:
         """Who asks the by-hash view: None (sees all), (uid, gid), or EACCES."""
         if self._privileged(ctx):
             return None
@@ -145,7 +160,8 @@ class KvfsOperations(pyfuse3.Operations):
 
     # lookup and getattr map their errors themselves (_fuse_error), without
     # _errno_mapped's second coroutine: they are most of the kernel's requests.
-    async def lookup(self, parent_inode, name, ctx=None):
+    async def lookup(self, parent_inode: InodeT, name: FileNameT,
+                     ctx: Optional[RequestContext] = None) -> EntryAttributes:
         self.kernel_lookups += 1
         try:
             if parent_inode == BY_HASH_INO:
@@ -164,21 +180,21 @@ class KvfsOperations(pyfuse3.Operations):
         miss.entry_timeout = ENTRY_TIMEOUT
         return miss
 
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         for ino, count in inode_list:
             try:
                 self.ns.forget(ino, count)
             except Exception:
                 log.exception("forget(%d) failed", ino)
 
-    async def getattr(self, inode, ctx=None):
+    async def getattr(self, inode: InodeT, ctx: Optional[RequestContext] = None) -> EntryAttributes:
         self.kernel_getattrs += 1
         try:
             return self._entry(inode)
         except Exception as exc:
             raise _fuse_error("getattr", exc) from None
 
-    def entry_removed(self, parent_inode, name, inode):
+    def entry_removed(self, parent_inode: InodeT, name: FileNameT, inode: InodeT) -> None:
         """A name was removed behind the kernel's back (eviction): drop it from the kernel's dentry cache.
 
         Without this the kernel would answer stat() and open() of the name from
@@ -190,13 +206,14 @@ class KvfsOperations(pyfuse3.Operations):
         pyfuse3.invalidate_entry_async(parent_inode, name, deleted=inode, ignore_enoent=True)
 
     @_errno_mapped
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields, fh: Optional[FileHandleT],
+                      ctx: RequestContext) -> EntryAttributes:
         if fields.update_size and self.page_filler is not None:
             async with self.page_filler.fenced(inode):
                 return await self._setattr(inode, attr, fields)
         return await self._setattr(inode, attr, fields)
 
-    async def _setattr(self, inode, attr, fields):
+    async def _setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields) -> EntryAttributes:
         await self.ns.setattr(
             inode,
             size=attr.st_size if fields.update_size else None,
@@ -208,37 +225,41 @@ class KvfsOperations(pyfuse3.Operations):
         return self._entry(inode)
 
     @_errno_mapped
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         return self.ns.readlink(inode)
 
     # -- names ----------------------------------------------------------------
     @_errno_mapped
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+    async def mknod(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
         return self._entry(self.ns.make(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
 
     @_errno_mapped
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
         return self._entry(self.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid))
 
     @_errno_mapped
-    async def symlink(self, parent_inode, name, target, ctx):
+    async def symlink(self, parent_inode: InodeT, name: FileNameT, target: FileNameT,
+                      ctx: RequestContext) -> EntryAttributes:
         return self._entry(self.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
                                         target=bytes(target)))
 
     @_errno_mapped
-    async def link(self, inode, new_parent_inode, new_name, ctx):
+    async def link(self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT,
+                   ctx: RequestContext) -> EntryAttributes:
         return self._entry(self.ns.link(inode, new_parent_inode, new_name))
 
     @_errno_mapped
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         self.ns.unlink(parent_inode, name, directory=False)
 
     @_errno_mapped
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         self.ns.unlink(parent_inode, name, directory=True)
 
     @_errno_mapped
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    async def rename(self, parent_inode_old: InodeT, name_old: FileNameT, parent_inode_new: InodeT,
+                     name_new: FileNameT, flags: FlagT, ctx: RequestContext) -> None:
         if flags & ~pyfuse3.RENAME_NOREPLACE:
             raise InvalidArgument("only RENAME_NOREPLACE is supported")
         await self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
@@ -246,13 +267,14 @@ class KvfsOperations(pyfuse3.Operations):
 
     # -- files ----------------------------------------------------------------
     @_errno_mapped
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    async def create(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         ino = self.ns.make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
         fh, direct_io, keep_cache = self.ns.open(ino, flags, privileged=ctx.uid == 0)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), self._entry(ino)
 
     @_errno_mapped
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         if self.page_filler is None:
             return self._open(inode, flags, ctx)
         if (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC:
@@ -274,18 +296,18 @@ class KvfsOperations(pyfuse3.Operations):
                 log.exception("page fill of inode %d failed", inode)
         return info
 
-    def _open(self, inode, flags, ctx):
+    def _open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         # uid 0 stands in for CAP_FSETID (FUSE does not pass capabilities).
         fh, direct_io, keep_cache = self.ns.open(inode, flags, privileged=ctx.uid == 0)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
 
     @_errno_mapped
-    async def read(self, fh, off, size):
+    async def read(self, fh: FileHandleT, off: int, size: int) -> Buffer:
         self.kernel_reads += 1
         return await self.ns.read(fh, off, size)
 
     @_errno_mapped
-    async def write(self, fh, off, buf):
+    async def write(self, fh: FileHandleT, off: int, buf: Buffer) -> int:
         written = await self.ns.write(fh, off, buf)
         # Pages a read may have refetched with older bytes while the kernel was
         # copying this write into them (kvfs/namespace/pagecache.py).
@@ -294,23 +316,23 @@ class KvfsOperations(pyfuse3.Operations):
             await self.page_dropper.drop(ino, stale)
         return written
 
-    async def flush(self, fh):
+    async def flush(self, fh: FileHandleT) -> None:
         # close() returns at memory speed: data is written back in the background,
         # so flush has nothing to do. ENOSYS makes the kernel stop sending it,
         # which saves one round trip per close() (a quarter of a create's cost).
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     @_errno_mapped
-    async def release(self, fh):
+    async def release(self, fh: FileHandleT) -> None:
         await self.ns.release(fh)
 
     @_errno_mapped
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self.ns.fsync(fh)
 
     # -- directories ----------------------------------------------------------
     @_errno_mapped
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         self.ns.attr(inode)
         fh = self._next_dir_fh
         self._next_dir_fh += 1
@@ -320,7 +342,7 @@ class KvfsOperations(pyfuse3.Operations):
         return fh
 
     @_errno_mapped
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
         # Offsets 1 and 2 are "." and ".."; the namespace's cookies follow,
         # shifted by DOT_ENTRIES. The kernel takes no lookup reference for the
         # two dot entries, so they are not counted.
@@ -340,17 +362,17 @@ class KvfsOperations(pyfuse3.Operations):
             self.ns.count_lookup(child)
 
     @_errno_mapped
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: FileHandleT) -> None:
         _, snapshot = self._dir_handles.pop(fh, (None, None))
         if snapshot is not None:
             self.ns.release_view_listing(snapshot)
 
     @_errno_mapped
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
         await self.ns.commit()
 
     @_errno_mapped
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: RequestContext) -> StatvfsData:
         space = self.ns.statfs()
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = STATFS_BSIZE
@@ -363,7 +385,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     # -- extended attributes: content keys and the admin channel -------------
     @_errno_mapped
-    async def getxattr(self, inode, name, ctx):
+    async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
         if inode == ROOT_INO and name == STATS_XATTR:
             if not self._privileged(ctx):
                 raise AccessDenied("statistics are readable by root and the mount's owner only")
@@ -378,7 +400,7 @@ class KvfsOperations(pyfuse3.Operations):
         raise NoData()
 
     @_errno_mapped
-    async def listxattr(self, inode, ctx):
+    async def listxattr(self, inode: InodeT, ctx: RequestContext) -> list[XAttrNameT]:
         names = []
         if self.ns.inode(inode).is_file:
             names.append(KEY_XATTR)
@@ -387,7 +409,7 @@ class KvfsOperations(pyfuse3.Operations):
         return names
 
     @_errno_mapped
-    async def setxattr(self, inode, name, value, ctx):
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
         # On /.kvfs as well as on the root: the kernel holds the inode lock of
         # the one it names for the whole command, and on the root that stalls
         # every lookup and create there (kvfs-admin sends to /.kvfs).
@@ -404,5 +426,5 @@ class KvfsOperations(pyfuse3.Operations):
         raise NotSupported("kvfs stores no extended attributes")
 
     @_errno_mapped
-    async def removexattr(self, inode, name, ctx):
+    async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         raise NotSupported("kvfs stores no extended attributes")

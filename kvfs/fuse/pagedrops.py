@@ -17,11 +17,14 @@ waiting for each page's lock, so it runs in a thread and the trio loop goes on
 answering the READs whose pages it waits for. Every drop has a time limit
 (below); one that runs over finishes in its thread after the reply.
 """
+from __future__ import annotations
+
 import dataclasses
 import errno
 import logging
 import os
 import struct
+from typing import Iterable, Optional
 
 import trio
 
@@ -56,7 +59,7 @@ class PageDropStatistics:
 class KernelPageDropper:
     """Sends page drops for the FUSE connection on ``fd`` (the daemon's /dev/fuse descriptor)."""
 
-    def __init__(self, fd, page_size=os.sysconf("SC_PAGE_SIZE")):
+    def __init__(self, fd: int, page_size: int = os.sysconf("SC_PAGE_SIZE")) -> None:
         self.fd = fd
         self.page_size = page_size
         self._limiter = trio.CapacityLimiter(DROP_THREADS)
@@ -66,7 +69,7 @@ class KernelPageDropper:
         self._last_late = 0
 
     @classmethod
-    def of_this_process(cls):
+    def of_this_process(cls) -> Optional[KernelPageDropper]:
         """The dropper for this process's one FUSE connection, or None (and a warning)."""
         fds = []
         for name in os.listdir("/proc/self/fd"):
@@ -81,7 +84,7 @@ class KernelPageDropper:
             return None
         return cls(fds[0])
 
-    def _send(self, ino, off, length):
+    def _send(self, ino: int, off: int, length: int) -> Optional[OSError]:
         body = _INVAL_INODE.pack(ino, off, length)
         message = _OUT_HEADER.pack(_OUT_HEADER.size + len(body), FUSE_NOTIFY_INVAL_INODE, 0) + body
         try:
@@ -91,7 +94,7 @@ class KernelPageDropper:
                 return exc
         return None
 
-    async def drop(self, ino, ranges):
+    async def drop(self, ino: int, ranges: Iterable[tuple[int, int, bool]]) -> None:
         """Drop pages [first, last] of inode ``ino`` for each (first, last, may_be_locked).
 
         The WRITE's partly written last page (``may_be_locked``) goes first. It is
@@ -110,7 +113,7 @@ class KernelPageDropper:
                 log.warning("could not drop pages %d-%d of inode %d from the kernel: %s", first, last, ino, failed)
             self._last_late += late and may_be_locked
 
-    async def drop_file(self, ino):
+    async def drop_file(self, ino: int) -> bool:
         """Drop every cached page of ``ino``, as an open without keep_cache would; False if
         the kernel refused or the drop ran over its limit (it then finishes in its thread)."""
         failed, late = await self._drop(ino, 0, 0, UNLOCKED_WAIT_S)      # length 0: to the end
@@ -118,7 +121,7 @@ class KernelPageDropper:
             log.warning("could not drop the cached pages of inode %d from the kernel: %s", ino, failed)
         return not late and failed is None
 
-    async def _drop(self, ino, off, length, limit):
+    async def _drop(self, ino: int, off: int, length: int, limit: float) -> tuple[Optional[OSError], bool]:
         """One drop, waited for at most ``limit`` s: (the error the kernel answered or None, ran over)."""
         failed = None
         with trio.move_on_after(limit) as waited:
@@ -129,5 +132,5 @@ class KernelPageDropper:
         self._late += waited.cancelled_caught
         return failed, waited.cancelled_caught
 
-    def statistics(self):
+    def statistics(self) -> PageDropStatistics:
         return PageDropStatistics(self._drops, self._late, self._failed, self._last_late)

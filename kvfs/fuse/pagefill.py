@@ -38,16 +38,21 @@ written to /dev/fuse in one writev()::
     struct fuse_notify_store_out { u64 nodeid; u64 offset; u32 size; u32 padding; }
     the bytes
 """
+from __future__ import annotations
+
 import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import struct
+from typing import Any, AsyncIterator, Awaitable, Callable, ContextManager, Optional
 
 import trio
 
+from ..base.aligned import Buffer
 from ..errors import KvfsError
+from .pagedrops import KernelPageDropper
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +80,18 @@ class PageFillStatistics:
 class PageFiller:
     """Stores file pages into the kernel for the FUSE connection on ``fd`` (the daemon's /dev/fuse)."""
 
-    def __init__(self, fd, dropper, block_size):
+    def __init__(self, fd: int, dropper: KernelPageDropper, block_size: int) -> None:
         self.fd = fd
-        self.dropper = dropper          # a KernelPageDropper on the same connection
+        self.dropper = dropper          # on the same connection
         self.block_size = block_size
         self._limiter = trio.CapacityLimiter(FILL_THREADS)
-        self._running = collections.Counter()      # ino -> fills in progress
-        self._fences = collections.Counter()       # ino -> fences held
-        self._ended = {}                           # ino -> trio.Event: its last running fill ended
-        self._s = collections.Counter()
+        self._running: collections.Counter[int] = collections.Counter()    # ino -> fills in progress
+        self._fences: collections.Counter[int] = collections.Counter()     # ino -> fences held
+        self._ended: dict[int, trio.Event] = {}    # ino -> trio.Event: its last running fill ended
+        self._s: collections.Counter[str] = collections.Counter()
 
-    async def fill(self, ino, size, read, views_held, keep_cache):
+    async def fill(self, ino: int, size: int, read: Callable[[int, int], Awaitable[Buffer]],
+                   views_held: Callable[[], ContextManager[Any]], keep_cache: bool) -> tuple[bool, bool]:
         """Store the first ``size`` bytes of ``ino`` in the kernel.
 
         ``read(off, n)`` returns the file's bytes (a view of the block cache's buffer,
@@ -135,7 +141,7 @@ class PageFiller:
             self._s["refused"] += 1
             log.warning("the kernel refused pages of inode %d at %d: %s", ino, off, refused)
 
-    def _store(self, ino, off, data):
+    def _store(self, ino: int, off: int, data: Buffer) -> Optional[OSError]:
         body = _STORE.pack(ino, off, len(data), 0)
         header = _OUT_HEADER.pack(_OUT_HEADER.size + len(body) + len(data), FUSE_NOTIFY_STORE, 0)
         try:
@@ -145,7 +151,7 @@ class PageFiller:
         return None
 
     @contextlib.asynccontextmanager
-    async def fenced(self, ino):
+    async def fenced(self, ino: int) -> AsyncIterator[None]:
         """Inside, no fill of ``ino`` runs or starts: wrap a change of its content in this."""
         self._fences[ino] += 1
         try:
@@ -160,6 +166,6 @@ class PageFiller:
             if not self._fences[ino]:
                 del self._fences[ino]
 
-    def statistics(self):
+    def statistics(self) -> PageFillStatistics:
         s = self._s
         return PageFillStatistics(s["fills"], s["bytes"], s["skipped"], s["refused"], s["fence_waits"])
