@@ -9,12 +9,12 @@ itself, so a workload of many sizes grows no table.
 """
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 LIMIT = 4096
-_seen: dict[int, int] = {}
+_seen: dict[Any, Any] = {}         # int -> the same int
 
 
 def shared(value: T) -> T:
