@@ -240,7 +240,7 @@ class ReadSide:
             # While this task waited for a slot, blocks may have left the index
             # (their files were deleted): those are not read, and what remains
             # of the run is read in pieces that are still adjacent.
-            live = [k for k in run if self._reading.get(k) is done and k in self.index.entries]
+            live = [k for k in run if self._reading.get(k) is done and self.index.has_block(k)]
             for part in self.index.adjacent_runs(live, PREFETCH_RUN_BLOCKS):
                 await self._fetch_run(part, done)
         except KvfsError as exc:
@@ -284,5 +284,5 @@ class ReadSide:
                 self._release_claims(run, done)
         for key, data in zip(run, results):
             # A corrupt block: its reader gets EIO itself. A block freed meanwhile: nobody wants it.
-            if not isinstance(data, Exception) and key in self.index.entries:
+            if not isinstance(data, Exception) and self.index.has_block(key):
                 self._remember(key, data)

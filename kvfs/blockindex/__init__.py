@@ -26,10 +26,16 @@ Each entry counts two kinds of users:
 
 An entry is dropped, and its extent freed, when both reach zero. The extent
 store delays reuse of the extent until the freeing record is durable.
+
+The block cache above uses the index for block bytes, pins and reservations.
+The namespace holds it directly as its journal port (kvfs/schema/port.py):
+records, commits and checkpoints pass on to the store, references and space
+are answered here.
 """
 import dataclasses
 import hashlib
 import logging
+from typing import Any
 
 import trio
 import xxhash
@@ -147,11 +153,12 @@ class BlockIndex:
         """
         return IndexCut(self).build()
 
-    # -- durability: records and checkpoints pass through to the store ------
-    def append_record(self, record):
+    # -- the journal port (kvfs/schema/port.py): the namespace holds the index as its
+    # ``journal``; records and checkpoints go on to the store, references stay here.
+    def append_record(self, record: Any) -> None:
         self.store.append(record)
 
-    async def commit(self):
+    async def commit(self) -> None:
         await self.store.commit()
 
     def cut(self):
@@ -180,19 +187,23 @@ class BlockIndex:
             # Freed off the loop, in pieces: freeing it here held the loop (kvfs/base/gcpolicy.py).
             await release_off_loop(index_cut.entries, index_cut.gone, limiter=self.hash_limiter)
 
-    def checkpoint_capacity(self):
+    def checkpoint_capacity(self) -> int:
         return self.store.checkpoint_capacity()
 
     @property
-    def journal_fill(self):
+    def journal_fill(self) -> float:
         return self.store.journal_fill
 
     def rows(self):
         """Every entry as a BlockRow (fsck)."""
         return [schema.BlockRow(key, e.off, e.length, e.refs, e.domain) for key, e in self.entries.items()]
 
-    def block_count(self):
+    def block_count(self) -> int:
         return len(self.entries)
+
+    def has_block(self, key: bytes) -> bool:
+        """Whether a block is stored under ``key`` (it may be freed meanwhile: ask again after an await)."""
+        return key in self.entries
 
     def extent(self, key):
         e = self.entries[key]
@@ -267,7 +278,8 @@ class BlockIndex:
         """Promise space to a dirty block, so the writer gets ENOSPC, not a lost flush.
 
         When frees waiting for a journal commit would make room, this says so
-        (SpaceAwaitsCommit): the namespace, which drives commits, commits and retries.
+        (SpaceAwaitsCommit): the namespace, which drives commits, commits through its
+        journal port (this index, kvfs/schema/port.py) and retries.
         """
         self.store.check_writable()         # fenced (multi-mount protection): refuse at write()
         if self.available_bytes() < nbytes:
