@@ -3,12 +3,16 @@ import ctypes
 import errno
 import mmap
 import os
+import socket
 import stat
 import subprocess
 import sys
 import time
 
 import pytest
+
+from filedata import pattern, write_file
+from kvfsmount import slow_writes
 
 MiB = 1 << 20
 libc = ctypes.CDLL(None, use_errno=True)
@@ -262,3 +266,109 @@ def test_by_hash_view_is_read_only(kvfs):
     other = kvfs.mnt / "copy"
     other.write_bytes(data)
     assert os.getxattr(other, "user.kvfs.key").decode() == key
+
+
+# -- mmap, FIFOs, sockets, device nodes, . and .. (issue 7, items 10-12) ------------------
+
+def test_shared_mmap_of_a_file_with_dirty_blocks(kvfs_factory):
+    fs = kvfs_factory(faults=slow_writes(2))
+    fs.mkfs()
+    fs.mount()
+    data = pattern(1, 3 * MiB + 5)
+    write_file(fs.mnt / "f", data)
+    assert fs.stats()["dirty_bytes"] > 0, "the test needs blocks still dirty at the mmap"
+    with open(fs.mnt / "f", "rb") as f, mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+        assert m[:] == data
+
+
+def test_writable_shared_mmap_is_durable_after_msync_and_after_munmap(kvfs):
+    data = bytearray(pattern(2, 2 * MiB + 100))
+    other = bytearray(data)
+    write_file(kvfs.mnt / "synced", data)
+    write_file(kvfs.mnt / "unmapped", other)
+    fd = os.open(kvfs.mnt / "synced", os.O_RDWR)
+    with mmap.mmap(fd, 0, mmap.MAP_SHARED) as m:
+        m[MiB - 3:MiB + 3] = b"ABCDEF"
+        m.flush()                                   # msync: must be durable now
+        data[MiB - 3:MiB + 3] = b"ABCDEF"
+        kvfs.kill9()
+    os.close(fd)
+    kvfs.mount()
+    assert (kvfs.mnt / "synced").read_bytes() == data
+    fd = os.open(kvfs.mnt / "unmapped", os.O_RDWR)
+    with mmap.mmap(fd, 0, mmap.MAP_SHARED) as m:
+        m[0:4] = b"WXYZ"
+        m[-4:] = b"wxyz"
+    os.close(fd)
+    other[0:4], other[-4:] = b"WXYZ", b"wxyz"
+    kvfs.umount()
+    kvfs.mount()
+    assert (kvfs.mnt / "unmapped").read_bytes() == other
+
+
+def test_fifos_sockets_and_device_nodes_are_stored(kvfs):
+    mnt = kvfs.mnt
+    os.mkfifo(mnt / "fifo", 0o640)
+    os.mknod(mnt / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mknod(mnt / "loop", 0o660 | stat.S_IFBLK, os.makedev(7, 0))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(mnt / "sock"))
+    sock.close()
+    # The FIFO really is a pipe (the kernel serves it; kvfs only stores the inode).
+    r = os.open(mnt / "fifo", os.O_RDONLY | os.O_NONBLOCK)
+    w = os.open(mnt / "fifo", os.O_WRONLY | os.O_NONBLOCK)
+    os.write(w, b"through the pipe")
+    assert os.read(r, 100) == b"through the pipe"
+    os.close(w)
+    os.close(r)
+    os.rename(mnt / "loop", mnt / "loop0")
+    os.link(mnt / "null", mnt / "null2")
+    os.chmod(mnt / "fifo", 0o600)
+    os.chown(mnt / "null2", 1000, 1000)
+    os.mkdir(mnt / "d")
+    os.rename(mnt / "sock", mnt / "d" / "sock")
+
+    def check():
+        st = os.lstat(mnt / "fifo")
+        assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        st = os.lstat(mnt / "null")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3) and st.st_nlink == 2
+        assert (st.st_uid, st.st_gid) == (1000, 1000)
+        st = os.lstat(mnt / "loop0")
+        assert stat.S_ISBLK(st.st_mode) and st.st_rdev == os.makedev(7, 0)
+        assert stat.S_ISSOCK(os.lstat(mnt / "d" / "sock").st_mode)
+        assert not os.path.lexists(mnt / "loop")
+
+    check()
+    kvfs.umount()
+    kvfs.assert_fsck_clean()
+    kvfs.mount()
+    check()
+    # FUSE mounts are nodev: a device node is stored, but opening it is refused
+    # by the kernel, as on any nodev mount.
+    with pytest.raises(PermissionError):
+        open(mnt / "null", "wb")
+    os.unlink(mnt / "null")
+    os.unlink(mnt / "null2")
+    os.unlink(mnt / "d" / "sock")
+    assert sorted(os.listdir(mnt)) == sorted([".kvfs", "d", "fifo", "loop0"])
+
+
+def test_readdir_returns_dot_and_dotdot(kvfs):
+    (kvfs.mnt / "a" / "b").mkdir(parents=True)
+    (kvfs.mnt / "a" / "f").write_bytes(b"1")
+
+    def listing(path):
+        out = subprocess.run(["ls", "-ai1", "-f", str(path)], check=True, capture_output=True,
+                             text=True).stdout.split("\n")
+        return {name: int(ino) for ino, name in (line.split(None, 1) for line in out if line)}
+
+    a = listing(kvfs.mnt / "a")
+    assert set(a) == {".", "..", "b", "f"}
+    assert a["."] == os.stat(kvfs.mnt / "a").st_ino
+    assert a[".."] == os.stat(kvfs.mnt).st_ino
+    b = listing(kvfs.mnt / "a" / "b")
+    assert set(b) == {".", ".."} and b[".."] == a["."]
+    root = listing(kvfs.mnt)
+    assert set(root) == {".", "..", ".kvfs", "a"}
+    assert set(listing(kvfs.mnt / ".kvfs")) == {".", "..", "by-hash"}

@@ -5,7 +5,7 @@ Each uid's blocks are deduplicated only within its own domain (tests/unit/test_t
 has the key arithmetic), so what one tenant stored shows nowhere another can
 look: not in statfs, not in the keys, not in what the device is asked to do.
 The unprivileged side runs the system Python (the venv's is under a root-only
-directory) with a small probe script, as tests/test_review_view.py does.
+directory) with a small probe script, as tests/test_by_hash_view.py does.
 """
 import errno
 import hashlib

@@ -1,4 +1,4 @@
-"""Issue 7, items 1, 2 and 6: who may see what through /.kvfs/by-hash, and what it serves.
+"""Who may see what through /.kvfs/by-hash, and what it serves (issue 7, items 1, 2 and 6).
 
 The mounts here use ``allow_other`` and live under a directory every user may
 enter, because parts of each test run as other uids. This machine's venv

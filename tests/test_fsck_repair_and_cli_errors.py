@@ -1,5 +1,6 @@
-"""Review issue 7, items 5, 8, 9 and 13, through real mounts and the real command-line tools.
+"""fsck repairs and the command-line tools' errors, through real mounts and the real tools.
 
+Found in the review of issue 7; the sections below keep its item numbers.
 5: fsck --repair removes a damaged file under any (non-UTF-8) name in one pass, never
    turning it into zeros. 8: a store whose durable state proves a newer generation
    existed is refused by mount, reported by fsck, and salvaged by --repair. 9: bad
