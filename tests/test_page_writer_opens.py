@@ -9,7 +9,8 @@ zeros after a write boundary of a chunked O_TRUNC rewrite. So while such a
 writer is open, opens keep the pages and stat() shows the mtime the kernel
 already had, and within 0.1 s of the close the real one
 (kvfs/namespace/pagecache.py). These checks go through a real mount; the
-race itself is what the stress test and tests/repro_otrunc_mix.py hunt, and what
+race itself is what the stress test (O_RDWR and O_WRONLY chunked O_TRUNC
+rewriters under buffered readers and cache drops) hunts, and what
 tests/test_page_writer_races.py makes happen on purpose.
 """
 import os
