@@ -58,6 +58,15 @@ def slow_writes(seconds):
     return [{"op": "write", "effect": "delay", "seconds": seconds}]
 
 
+def write_plan(path, plan):
+    """Replace a fault plan file the way a test must: atomically, by rename; then wait
+    until a running device has had time to reload it."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(plan))
+    os.replace(tmp, path)
+    time.sleep(kvfs_faults.RELOAD_INTERVAL * 1.5)
+
+
 def open_fs(path, *, now=None, readonly=False, faults=None, **kw):
     """The whole stack over ``path``, built by ``kvfs.server.stack.Filesystem.open`` as the daemon builds it.
 

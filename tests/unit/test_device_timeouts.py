@@ -9,7 +9,6 @@ lands on an extent given to another block, and a late journal write is never ove
 """
 import errno
 import os
-import time
 
 import pytest
 import trio
@@ -21,8 +20,7 @@ from kvfs.device.testfaults import FaultyDevice
 from kvfs.namespace import ROOT_INO
 
 from .helpers import (BS, DEV_SIZE, assert_fsck_clean, lookup_path, mkfs, open_fs, pattern, read_all, running,
-                      write_file)
-from .test_faults import write_plan
+                      write_file, write_plan)
 
 S = 4096
 OFF = DEV_SIZE - 64 * S          # raw device tests write only here, at the end of the data region
@@ -137,11 +135,10 @@ async def test_a_stalled_call_is_eio_within_the_bound_and_finishes_later(store):
     dev = FaultyDevice(Device.open(str(store), lock=False, timeout=TIMEOUT),
                        [{"op": "write", "effect": "stall", "seconds": STALL}])
     try:
-        t0 = time.monotonic()
         with pytest.raises(DeviceTimeout, match=r"did not answer within 0\.5 s") as info:
             await dev.pwrite(OFF, pattern(2, S))
         assert info.value.errno == errno.EIO
-        assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + 1.0
+        # Given up on, not finished: the caller has its EIO while the call still runs.
         st = dev.statistics()
         assert (st.timeouts, st.late_calls, st.writes) == (1, 1, 0)
         assert await dev.pread(OFF, S) == bytes(S)     # reads go on; the write has not landed
@@ -160,10 +157,11 @@ async def test_a_call_that_never_got_a_thread_times_out_and_never_runs(store):
     try:
         with pytest.raises(DeviceTimeout):
             await dev.pwrite(OFF, pattern(3, S))        # holds the only thread for 2 s
-        t0 = time.monotonic()
         with pytest.raises(DeviceTimeout):
             await dev.pwrite(OFF + S, pattern(4, S))    # outside the stall, but no thread for it
-        assert time.monotonic() - t0 < TIMEOUT + 1.0
+        # It gave up within its own bound, while the first call still held the thread.
+        st = dev.statistics()
+        assert (st.timeouts, st.late_calls, st.writes) == (2, 1, 0)
         await late_calls_finished(dev)
         assert await dev.pread(OFF, 2 * S) == pattern(3, S) + bytes(S)   # the second never ran
         assert dev.statistics().timeouts == 2
@@ -206,12 +204,12 @@ async def test_a_read_past_io_timeout_is_eio_and_its_late_buffer_is_never_reused
         vext = sorted(extents_of(fs, fs.ns.inode(vino).committed))
         await set_plan(plan_file, [{"op": "read", "range": [vext[0][0], vext[-1][0] + vext[-1][1]],
                                     "effect": "stall", "seconds": STALL}])
-        t0 = time.monotonic()
         with pytest.raises(DeviceTimeout) as info:
             await read_all(fs.ns, vino)
-        waited = time.monotonic() - t0
         assert info.value.errno == errno.EIO
-        assert waited < STALL / 2, f"the reader waited {waited:.1f} s, io_timeout is {TIMEOUT} s"
+        # The reader has its EIO while the stalled reads still run: it did not wait them out.
+        st = fs.device.statistics()
+        assert st.timeouts >= 1 and st.late_calls >= 1, st
         # Buffers taken from the pool and not back with a read that returned (a read that
         # began just before the window opened may have): the timed-out reads hold them.
         cached = [v.obj for v in fs.cache._clean.values()]
@@ -252,11 +250,12 @@ async def test_a_data_write_past_io_timeout_fails_the_flush_and_keeps_its_extent
         # The next data write (only that one) stalls far longer than io_timeout.
         await set_plan(plan_file, [{"op": "write", "range": [sb.data_off, DEV_SIZE], "effect": "stall",
                                     "seconds": STALL, "count": 1}])
-        t0 = time.monotonic()
         with pytest.raises(KvfsError) as info:
             await write_file(fs.ns, ROOT_INO, b"lost", data)
         assert info.value.errno == errno.EIO
-        assert time.monotonic() - t0 < STALL / 2
+        # The writer has its EIO while the stalled write still runs: it did not wait it out.
+        st = fs.device.statistics()
+        assert (st.timeouts, st.late_calls) == (1, 1), st
         lost = lookup_path(fs.ns, "lost")
         # The abandoned write still owns its extent: allocated, named by no block.
         stalled = unowned_extents(fs)
@@ -295,11 +294,12 @@ async def test_a_journal_write_past_io_timeout_stops_all_writes(store, plan_file
         kept = await write_file(fs.ns, ROOT_INO, b"kept", before)
         await set_plan(plan_file, [{"op": "write", "range": [sb.journal_off, sb.journal_off + sb.journal_len],
                                     "effect": "stall", "seconds": STALL}])
-        t0 = time.monotonic()
         with pytest.raises(KvfsError) as info:
             await write_file(fs.ns, ROOT_INO, b"pending", pattern(31, BS))
         assert info.value.errno == errno.EIO
-        assert time.monotonic() - t0 < STALL / 2
+        # The writer has its EIO while the stalled journal write still runs.
+        st = fs.device.statistics()
+        assert st.timeouts >= 1 and st.late_calls >= 1, st
         assert fs.store.fenced and "did not complete within 0.5 s" in fs.store.fenced
         # No later frame may be written over the one still pending: every write is refused.
         for attempt in (fs.ns.commit(), write_file(fs.ns, ROOT_INO, b"more", b"x"), fs.ns.checkpoint()):

@@ -6,13 +6,12 @@ index's checksum catch what they must. Every plan is seeded: the outcomes are
 the same on every run.
 """
 import errno
-import json
-import os
-import time
+import threading
 
 import pytest
 import trio
 
+import kvfs.device
 from kvfs.device import testfaults as faults
 from kvfs.server.daemon import Filesystem
 from kvfs.device import Device
@@ -21,10 +20,31 @@ from kvfs.device.testfaults import FaultyDevice, parse_plan
 from kvfs.namespace import ROOT_INO
 
 from .helpers import BS, DEV_SIZE, assert_fsck_clean, mkfs, open_fs, options, pattern, read_all, running, \
-    write_file
+    write_file, write_plan
 
 S = 4096
 OFF = DEV_SIZE - 64 * S          # raw device tests write only here, at the end of the data region
+
+
+class VirtualTime:
+    """Stands in for the ``time`` module of the code under test (monkeypatched onto it):
+    monotonic() reads a clock that only sleep() and the test move, and sleep() records
+    how long it was asked to wait. So the tests check how long a fault made a call wait,
+    not how long the call took on a shared, loaded machine."""
+
+    def __init__(self):
+        self.now = 1000.0
+        self.slept = []
+        self.during_sleep = None            # called inside each sleep, in the sleeping thread
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        if self.during_sleep is not None:
+            self.during_sleep()
+        self.now += seconds
 
 
 @pytest.fixture
@@ -49,14 +69,6 @@ def open_faulty(store):
         dev.close()
 
 
-def write_plan(path, plan):
-    """Replace a plan file the way a test must: atomically, by rename."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(plan))
-    os.replace(tmp, path)
-    time.sleep(faults.RELOAD_INTERVAL * 1.5)
-
-
 async def test_empty_plan_is_the_real_device(open_faulty, store):
     dev = open_faulty([])
     inner = dev.wrapped
@@ -77,28 +89,32 @@ async def test_empty_plan_is_the_real_device(open_faulty, store):
         assert f.read(len(data)) == data
 
 
-async def test_delay_slows_matching_calls_in_a_worker_thread(open_faulty):
+async def test_delay_slows_matching_calls_in_a_worker_thread(open_faulty, monkeypatch):
+    clock = VirtualTime()
+    monkeypatch.setattr(faults, "time", clock)
     dev = open_faulty([{"op": "write", "effect": "delay", "seconds": 0.3}])
-    ticks = 0
+    ticks, ticked = 0, threading.Event()
 
     async def ticker():
         nonlocal ticks
         while True:
             await trio.sleep(0.01)
             ticks += 1
+            if ticks == 5:
+                ticked.set()
 
+    # The delay's sleep lasts until the trio loop has ticked five times: on the loop's
+    # own thread it would wait in vain (and the ticks would stay at 0).
+    clock.during_sleep = lambda: ticked.wait(30)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
-        t0 = time.monotonic()
         await dev.pwrite(OFF, b"a" * S)
-        slow = time.monotonic() - t0
         nursery.cancel_scope.cancel()
-    assert slow >= 0.3
+    assert clock.slept == [pytest.approx(0.3)]     # the write waited for the delay
     assert ticks >= 5, "the delay blocked the trio loop"
-    t0 = time.monotonic()
     assert dev.pread_sync(OFF, 2) == b"aa"         # reads and syncs are not delayed
     dev.sync_sync()
-    assert time.monotonic() - t0 < 0.3
+    assert len(clock.slept) == 1
     assert dev.injected()["delay"] == 1
 
 
@@ -219,19 +235,20 @@ async def test_block_index_checksum_turns_a_flip_into_eio(store, tmp_path, monke
     fs.close()
 
 
-def test_stall_window_holds_calls_until_it_ends(open_faulty):
-    t0 = time.monotonic()
-    dev = open_faulty([{"op": "read", "effect": "stall", "after": 0.5, "seconds": 1.0}])
-    armed = time.monotonic()
+def test_stall_window_holds_calls_until_it_ends(open_faulty, monkeypatch):
+    clock = VirtualTime()
+    monkeypatch.setattr(faults, "time", clock)
+    t0 = clock.now
+    dev = open_faulty([{"op": "read", "effect": "stall", "after": 0.5, "seconds": 1.0}])  # armed at t0
     dev.pwrite_sync(OFF, pattern(8, S))
     assert dev.pread_sync(OFF, S) == pattern(8, S)           # before the window: no wait
-    assert time.monotonic() - t0 < 0.5
-    time.sleep(max(0.0, t0 + 0.7 - time.monotonic()))
+    assert clock.slept == []
+    clock.now = t0 + 0.7
     assert dev.pread_sync(OFF, S) == pattern(8, S)           # in the window: waits, then completes
-    assert time.monotonic() >= t0 + 1.5
-    t1 = time.monotonic()
-    dev.pread_sync(OFF, S)                                   # after it: no wait
-    assert time.monotonic() - t1 < 0.5 and armed <= t0 + 0.5
+    assert clock.slept == [pytest.approx(0.8)]               # until the window's end ...
+    assert clock.now == pytest.approx(t0 + 1.5)
+    dev.pread_sync(OFF, S)                                   # ... and after it: no wait
+    assert len(clock.slept) == 1
     assert dev.injected()["stall"] == 1
 
 
@@ -298,7 +315,7 @@ def test_bad_plans_are_refused(plan):
 
 
 @pytest.mark.parametrize("transfer", ["read", "run_read", "write"])
-def test_one_sector_short_moves_nothing_and_is_retried_within_the_window(store, transfer):
+def test_one_sector_short_moves_nothing_and_is_retried_within_the_window(store, transfer, monkeypatch):
     """A short transfer of a one-sector block moves zero bytes. With a retry window
     (io_retry) Device retries it like a lost path's error, and the transfer
     completes; without one it is an error at once; one that keeps failing is an
@@ -336,12 +353,17 @@ def test_one_sector_short_moves_nothing_and_is_retried_within_the_window(store, 
     finally:
         dev.close()
 
+    # The device's retry loop on a virtual clock: its pauses add up to the window, then it gives up.
+    clock = VirtualTime()
+    monkeypatch.setattr(kvfs.device, "time", clock)
     dev = faulty([{"op": op, "effect": "short"}], 0.3)
     try:
-        began = time.monotonic()
         with pytest.raises(DeviceError, match="short device read|made no progress"):
             attempt(dev)
-        assert 0.3 <= time.monotonic() - began < 3.0
-        assert dev.statistics().retries >= 2
+        # Retried until the window was over, never longer (a run read: its own loop, then
+        # the block's again one by one), each retry after a pause.
+        loops = 2 if transfer == "run_read" else 1
+        assert sum(clock.slept) == pytest.approx(loops * 0.3)
+        assert dev.statistics().retries == len(clock.slept) >= 2 * loops
     finally:
         dev.close()
