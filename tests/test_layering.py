@@ -32,6 +32,13 @@ worker that calls back up into the block index (the round trip issue 33
 removed) fails. Each layer object holds only objects of its own layer or the
 one below, and no module is over 500 lines.
 
+One way down skips layers, and it is typed, not listed: a side port, a Protocol
+on the ground floor that the assembler wires from a layer to an object further
+down (``SIDE_PORTS``; kvfs/schema/port.py, through which the namespace journals
+to the block index). A layer object may hold such an object only by an
+attribute annotated with the port, and a call may skip layers only when it is a
+call of one of the port's members, on the class that implements it, downward.
+
 The tests at the end test these checks: over a copy of the package tree with
 one module added or one import changed, and over modules made up on the spot
 whose ``__name__`` puts them in a layer, they must report what is wrong.
@@ -42,6 +49,7 @@ import os
 import shutil
 import stat
 import sys
+import inspect
 import threading
 import time
 import types
@@ -52,8 +60,10 @@ import pytest
 import trio
 from trio._core import _thread_cache   # trio's worker-thread cache: see CallWalk.__enter__
 
+from kvfs.blockindex import BlockIndex
 from kvfs.fuse.ops import KvfsOperations
 from kvfs.namespace import ROOT_INO
+from kvfs.schema.port import JournalPort
 from kvfs.server.daemon import MountOptions
 from kvfs.server.stack import Filesystem
 from kvfs.store.mkfs import make_filesystem
@@ -218,15 +228,43 @@ def describe(frame):
     return f"{frame.f_globals.get('__name__')}.{frame.f_code.co_name}"
 
 
+SIDE_PORTS = {JournalPort: BlockIndex}        # ground-floor port -> the class that implements it
+
+
+def port_of(cls, name):
+    """The side port that ``cls`` (or a class it inherits from) annotates attribute ``name`` with, or None."""
+    for klass in cls.__mro__:
+        hint = vars(klass).get("__annotations__", {}).get(name)
+        if hint in SIDE_PORTS:
+            return hint
+    return None
+
+
+def port_entries(ports=SIDE_PORTS):
+    """The code of every side port member as its implementing class defines it: what a call that
+    skips layers may run."""
+    codes = set()
+    for port, impl in ports.items():
+        assert place(port.__module__) == GROUND, f"{port.__name__} is not on the ground floor"
+        for name in (n for n in vars(port) if not n.startswith("_")):
+            member = inspect.getattr_static(impl, name)
+            codes.add(inspect.unwrap(member.fget if isinstance(member, property) else member).__code__)
+    return codes
+
+
 class CallWalk:
     """Records every call from one data-path layer into another, on every thread.
 
     ``edges``: (caller layer, callee layer) of every call between two layers; ``handoffs``: the
     same for functions a layer passes to trio.to_thread.run_sync; ``bad``: those that do not go
-    one layer down; ``threads``: {thread name: layers whose code ran there}, worker threads only.
+    one layer down; ``threads``: {thread name: layers whose code ran there}, worker threads only;
+    ``ported``: (caller layer, callee layer) of calls that went further down through a side port
+    (``ports``: the code objects of the side ports' members, see port_entries).
     """
 
-    def __init__(self):
+    def __init__(self, ports=None):
+        self.ports = port_entries() if ports is None else ports
+        self.ported = set()
         self.bad = []
         self.edges = set()
         self.handoffs = set()
@@ -248,6 +286,9 @@ class CallWalk:
         caller = caller_frame(frame)
         here = layer_index(caller.f_globals.get("__name__")) if caller is not None else None
         if here is None or here == callee:
+            return
+        if callee < here - 1 and frame.f_code in self.ports:
+            self.ported.add((LAYERS[here], LAYERS[callee]))
             return
         self.edges.add((LAYERS[here], LAYERS[callee]))
         if callee != here - 1:
@@ -322,6 +363,8 @@ async def test_every_call_between_layers_goes_one_layer_down(tmp_path):
     # And the walk really went all the way down, one layer at a time.
     assert {("fuse", "namespace"), ("namespace", "blockcache"), ("blockcache", "blockindex"),
             ("blockindex", "store"), ("store", "device")} <= walk.edges, walk.edges
+    # The namespace journals through its side port, the block index (kvfs/schema/port.py).
+    assert walk.ported == {("namespace", "blockindex")}, walk.ported
     # ... on the worker threads too: the device's reads and writes run there.
     assert any("device" in layers for layers in walk.threads.values()), \
         f"the walk saw no device code on a worker thread; worker threads seen: {walk.threads}"
@@ -333,17 +376,23 @@ def test_each_layer_object_holds_only_the_layer_below(tmp_path):
     fs = Filesystem.open(str(path), MountOptions(cache_size=2 << 20, dirty_limit=1 << 20))
     try:
         ops = KvfsOperations(fs.ns, control=None)
-        held = {}
+        held, ported = {}, {}
         for obj in (ops, fs.ns, fs.ns.tree, fs.ns.view, fs.cache, fs.index, fs.store):
             here = layer_index(type(obj).__module__)
             assert here is not None, f"{type(obj).__module__}.{type(obj).__name__} is in no layer"
             for name, value in vars(obj).items():
                 there = layer_index(type(value).__module__)
-                if there is not None:
+                port = port_of(type(obj), name)
+                if there is not None and port is not None and there < here:
+                    assert isinstance(value, SIDE_PORTS[port]), (type(obj).__name__, name, type(value))
+                    ported[(type(obj).__name__, name)] = (here, there)
+                elif there is not None:
                     held[(type(obj).__name__, name)] = (here, there)
         wrong = {k: v for k, v in held.items() if v[1] not in (v[0], v[0] - 1)}
         assert not wrong, f"layer objects holding other than the layer below: {wrong}"
         assert held[("Namespace", "cache")] == (4, 3) and held[("BlockIndex", "store")] == (2, 1)
+        assert ported == {("Namespace", "journal"): (4, 2), ("Tree", "journal"): (4, 2),
+                          ("ByHashView", "journal"): (4, 2)}, ported
     finally:
         fs.close()
 
@@ -432,8 +481,10 @@ def call(fn):
     return fn()
 """)
 BASE = fake_module("kvfs.base.fake", "def through(fn):\n    return fn()\n")
-INDEX = fake_module("kvfs.blockindex.fake", "def verify():\n    return 'blockindex'\n")
-NAMESPACE = fake_module("kvfs.namespace.fake", "def touch():\n    return 'namespace'\n")
+INDEX = fake_module("kvfs.blockindex.fake", "def verify():\n    return 'blockindex'\n"
+                                             "def other():\n    return 'other'\n")
+NAMESPACE = fake_module("kvfs.namespace.fake", "def touch():\n    return 'namespace'\n"
+                                               "def call(fn):\n    return fn()\n")
 
 
 async def fill_thread_cache():
@@ -478,6 +529,28 @@ def test_a_call_that_skips_a_layer_or_goes_through_the_ground_floor_fails():
     assert walk.bad == ["kvfs.store.fake.call -> kvfs.namespace.fake.touch",
                         "kvfs.device.fake._work -> kvfs.blockindex.fake.verify"]
     assert not walk.threads
+
+
+def test_only_a_side_port_member_may_skip_layers_and_only_downward():
+    with CallWalk(ports={INDEX.verify.__code__}) as walk:
+        assert NAMESPACE.call(INDEX.verify) == "blockindex"         # a member of the port: passes
+        assert NAMESPACE.call(INDEX.other) == "other"               # not a member: skips a layer
+        DEVICE._work(INDEX.verify)                                  # a member, but upward
+    assert walk.ported == {("namespace", "blockindex")}
+    assert walk.bad == ["kvfs.namespace.fake.call -> kvfs.blockindex.fake.other",
+                        "kvfs.device.fake._work -> kvfs.blockindex.fake.verify"]
+
+
+def test_only_an_attribute_annotated_with_a_side_port_holds_it():
+    class Holder:
+        journal: JournalPort
+        cache: object
+
+    class Inherits(Holder):
+        pass
+    assert port_of(Inherits, "journal") is JournalPort
+    assert port_of(Holder, "cache") is None and port_of(Holder, "index") is None
+    assert port_entries() and BlockIndex.commit.__code__ in port_entries()
 
 
 assert pyfuse3.ROOT_INODE == ROOT_INO

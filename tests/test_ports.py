@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.blockindex import BlockIndex
 from kvfs.device import Device
 from kvfs.device.port import DevicePort
 from kvfs.namespace import Namespace
 from kvfs.namespace.port import NamespacePort
+from kvfs.schema.port import JournalPort
 from kvfs.store import ExtentStore
 from kvfs.store.port import StorePort
 
@@ -27,6 +29,7 @@ BOUNDARIES = [
     (DevicePort, Device, "store", {"device"}),
     (StorePort, ExtentStore, "blockindex", {"store"}),
     (NamespacePort, Namespace, "fuse", {"ns", "namespace"}),
+    (JournalPort, BlockIndex, "namespace", {"journal"}),       # a side port (kvfs/schema/port.py)
 ]
 
 

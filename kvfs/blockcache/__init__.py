@@ -2,9 +2,10 @@
 
 The cache knows nothing about inodes or names: a file's live content is a
 :class:`FileData`, owned by the namespace and passed in on every call. The
-cache talks only to the block index below it; what the namespace needs from
-the layers further down (content keys, references, records, space) it asks
-the cache, which passes it on (the section "passed down to the index").
+cache talks only to the block index below it. What the namespace needs of the
+layers further down (records, checkpoints, references, space) does not pass
+through here: the namespace holds the block index as its journal port
+(kvfs/schema/port.py).
 
 ``reads``     the clean LRU, verified device reads, prefetch
 ``writeback`` dirty buffers, back-pressure, flush workers, truncation
@@ -77,68 +78,9 @@ class BlockCache(ReadSide, WriteBack):
         self._zero_block = memoryview(bytes(self.bs))     # sliced without a copy
         self._s = collections.Counter()
 
-    # -- passed down to the index (the namespace talks only to the cache) ------
     @property
-    def block_size(self):
+    def block_size(self) -> int:
         return self.bs
-
-    def key_of(self, data):
-        return self.index.key_of(data)
-
-    def add_ref(self, key, off, length, domain=0):
-        self.index.add_ref(key, off, length, domain)
-
-    def domain_of(self, uid):
-        return self.index.domain_of(uid)
-
-    def public_id(self, key):
-        return self.index.public_id(key)
-
-    def drop_ref(self, key):
-        self.index.drop_ref(key)
-
-    def has_block(self, key):
-        return key in self.index.entries
-
-    def stored_keys(self, keys):
-        return self.index.stored_keys(keys)
-
-    def block_ref(self, key):
-        return self.index.block_ref(key)
-
-    def block_count(self):
-        return self.index.block_count()
-
-    def capacity_bytes(self):
-        return self.index.capacity_bytes()
-
-    def available_bytes(self):
-        return self.index.available_bytes()
-
-    def append_record(self, record):
-        self.index.append_record(record)
-
-    async def commit(self):
-        await self.index.commit()
-
-    def cut_for_checkpoint(self):
-        return self.index.cut()
-
-    def list_cut(self, cuts):
-        self.index.list_cut(cuts)
-
-    def end_cut(self):
-        self.index.end_cut()
-
-    async def write_checkpoint(self, cuts, writer):
-        await self.index.write_checkpoint(cuts, writer)
-
-    def checkpoint_capacity(self):
-        return self.index.checkpoint_capacity()
-
-    @property
-    def journal_fill(self):
-        return self.index.journal_fill
 
     def statistics(self):
         s = self._s

@@ -1,6 +1,6 @@
 """The namespace: POSIX operations on inodes and names, lookup counts, open files.
 
-It talks only to the block cache below it. Its parts:
+It talks to the block cache below it, and journals through its journal port (kvfs/schema/port.py). Its parts:
 
 ``inodes``      Inode, DirEntries, ViewInode, reserved inode numbers, metadata costs
 ``tree``        the durable tree: records applied (live and at replay), load (``treeload``), snapshot
@@ -67,12 +67,12 @@ class NamespaceStatistics:
 
 
 class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
-    def __init__(self, cache, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
+    def __init__(self, cache, journal, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
                  low_watermark=0.8):
-        self.cache = cache
+        self.cache, self.journal = cache, journal
         self.now = now
-        self.tree = Tree(cache, now)
-        self.view = ByHashView(self.tree, cache)
+        self.tree = Tree(journal, now, cache)
+        self.view = ByHashView(self.tree, cache, journal)
         self.evictor = Evictor(self, policy=eviction_policy, high_watermark=high_watermark,
                                low_watermark=low_watermark)
         self.admin = Admin(self, self.evictor)
@@ -103,7 +103,7 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         return self.tree.metadata_bytes()
 
     def metadata_capacity(self):
-        return int(self.cache.checkpoint_capacity() * (1 - CHECKPOINT_MARGIN))
+        return int(self.journal.checkpoint_capacity() * (1 - CHECKPOINT_MARGIN))
 
     def _charge_metadata(self, nbytes):
         """Refuse with ENOSPC an operation whose ``nbytes`` of metadata would not fit."""
@@ -114,8 +114,8 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         """Space and inode figures for statfs: data bytes, and inodes as metadata space allows."""
         free_inodes = max(0, self.metadata_capacity() - self.metadata_bytes())
         free_inodes //= INODE_ROW_COST + DIR_ENTRY_COST + TYPICAL_NAME
-        return SpaceFigures(capacity_bytes=self.cache.capacity_bytes(),
-                            available_bytes=max(0, self.cache.available_bytes()),
+        return SpaceFigures(capacity_bytes=self.journal.capacity_bytes(),
+                            available_bytes=max(0, self.journal.available_bytes()),
                             inodes=len(self.tree.inodes) + free_inodes, free_inodes=free_inodes,
                             block_size=self.block_size)
 

@@ -18,6 +18,7 @@ dedup copies share it (see :meth:`owners`).
 """
 import trio
 
+from ..schema.port import JournalPort
 from .inodes import members, with_member, without_member
 
 HOLE_KEY = b"\0" * 16           # stands for a hole in the bytes a content key hashes
@@ -27,8 +28,10 @@ _UNBUILT, _BUILDING, _BUILT = range(3)
 
 
 class ContentIndex:
-    def __init__(self, blocks, inodes):
-        self.blocks = blocks
+    journal: JournalPort
+
+    def __init__(self, journal: JournalPort, inodes):
+        self.journal = journal
         self.inodes = inodes       # the tree's live inodes (the same dict)
         self.by_content = {}
         self._state = _UNBUILT
@@ -44,8 +47,8 @@ class ContentIndex:
         Block keys are domain-keyed, so the same bytes owned by two tenants get
         two keys; the public form reveals nothing about the secret behind them.
         """
-        internal = self.blocks.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
-        return self.blocks.public_id(internal)
+        internal = self.journal.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
+        return self.journal.public_id(internal)
 
     def key(self, inode):
         """``inode``'s content key (computed now if it was not)."""

@@ -1,10 +1,13 @@
 """Sealing files and driving durability: content records, commits, checkpoints, upkeep.
 
 The namespace drives every commit and checkpoint, under one lock, so a
-checkpoint's snapshot is always taken with no commit in flight. The layers
-below only say when they need one: the block index raises SpaceAwaitsCommit
-when frees waiting for a commit would make room, and the store raises
-JournalFull when the journal must be folded into a checkpoint.
+checkpoint's snapshot is always taken with no commit in flight. It journals
+through ``self.journal``, the journal port (kvfs/schema/port.py) the assembler
+wires to the block index, not through the block cache. The layers below only
+say when they need a commit: the block index raises SpaceAwaitsCommit when
+frees waiting for a commit would make room (it reaches the namespace through
+the cache's write or truncate, and the commit goes straight to the port), and
+the store raises JournalFull when the journal must be folded into a checkpoint.
 """
 import logging
 import time
@@ -15,6 +18,7 @@ from .. import schema
 from ..base.gcpolicy import collections_paused, release_off_loop
 from ..base.gilpolicy import loop_first
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
+from ..schema.port import JournalPort
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +28,14 @@ SPACE_RETRIES = 3            # commits tried to make room for one write (frees a
 class Durability:
     """Mixed into :class:`~kvfs.namespace.Namespace`, which holds the state (see its __init__)."""
 
+    journal: JournalPort        # handed in by the assembler (kvfs/server/stack.py): the block index
+
     # -- records ------------------------------------------------------------
     def _emit(self, record):
         # Append first: extents freed while applying are then tagged with this
         # record, so they are not reused before it is durable. Records are
         # validated before they are built; a failure to apply one is a bug.
-        self.cache.append_record(record)
+        self.journal.append_record(record)
         try:
             self.tree.apply(record)
         except Exception:
@@ -40,7 +46,7 @@ class Durability:
         """Make every record so far durable: a journal frame, or a checkpoint when the journal is full."""
         async with self._durability_lock:
             try:
-                await self.cache.commit()
+                await self.journal.commit()
             except JournalFull:
                 await self._checkpoint_locked()
 
@@ -60,10 +66,10 @@ class Durability:
         """
         async with self._durability_lock:
             try:
-                await self.cache.commit()
+                await self.journal.commit()
             except JournalFull:
                 pass
-            if self.cache.journal_fill == 0:
+            if self.journal.journal_fill == 0:
                 log.info("the journal is empty: the last checkpoint stands, none written")
                 return False
             await self._checkpoint_locked()
@@ -85,19 +91,19 @@ class Durability:
         started = time.perf_counter()
         tree_cut = self.tree.cut()
         try:
-            cuts = self.cache.cut_for_checkpoint()
+            cuts = self.journal.cut()
         except BaseException:
             self.tree.end_cut()
             raise
         held_ms = (time.perf_counter() - started) * 1000
         try:
-            writer = schema.CheckpointWriter(self.cache.checkpoint_capacity())
+            writer = schema.CheckpointWriter(self.journal.checkpoint_capacity())
             try:
                 # The lists of inode and block objects are taken in later loop steps of
                 # their own (the cuts cover what changes before them), so that requests
                 # queued meanwhile run between them: each list alone is 13-20 ms at a
                 # million objects on a small VM, 40-70 ms together with the cut.
-                for list_step in (tree_cut.list_inodes, lambda: self.cache.list_cut(cuts)):
+                for list_step in (tree_cut.list_inodes, lambda: self.journal.list_cut(cuts)):
                     await trio.sleep(0)
                     step_started = time.perf_counter()
                     list_step()
@@ -110,9 +116,9 @@ class Durability:
                 self._checkpoint_stats["rows_built_off_loop"] += cut_stats.rows_built_off_loop
                 self._checkpoint_stats["rows_saved_on_loop"] += cut_stats.rows_saved_on_loop
                 await release_off_loop(tree_cut.inodes, limiter=self._cut_limiter)
-            await self.cache.write_checkpoint(cuts, writer)
+            await self.journal.write_checkpoint(cuts, writer)
         finally:
-            self.cache.end_cut()
+            self.journal.end_cut()
         self._checkpoint_stats["last_ms"] = (time.perf_counter() - started) * 1000
 
     async def _with_space(self, operation):
@@ -191,7 +197,7 @@ class Durability:
             # Rewritten with identical bytes (LMCache after a restart): nothing
             # changed on the device, so nothing is written, not even a record.
             return
-        blocks = tuple(None if k is None else self.cache.block_ref(k) for k in keys)
+        blocks = tuple(None if k is None else self.journal.block_ref(k) for k in keys)
         self._emit(schema.Content(inode.ino, filedata.size, inode.mtime, inode.ctime, blocks))
         self.evictor.sealed(inode)
         if self.evictor.over_high_watermark():
@@ -221,7 +227,7 @@ class Durability:
                         self._schedule_seal(inode)
                 try:
                     await self.commit()
-                    if self.cache.journal_fill > 0.5:
+                    if self.journal.journal_fill > 0.5:
                         await self.checkpoint()
                 except Fenced:
                     pass            # logged once, CRITICAL, by the store; nothing can be written now

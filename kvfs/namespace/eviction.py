@@ -84,8 +84,8 @@ class Evictor:
 
     # -- space ------------------------------------------------------------------
     def used_fraction(self):
-        capacity = self.ns.cache.capacity_bytes()
-        return 1 - max(0, self.ns.cache.available_bytes()) / capacity if capacity else 0.0
+        capacity = self.ns.journal.capacity_bytes()
+        return 1 - max(0, self.ns.journal.available_bytes()) / capacity if capacity else 0.0
 
     def over_high_watermark(self):
         return self.policy.name != "none" and self.used_fraction() > self.high
@@ -98,7 +98,7 @@ class Evictor:
     def choose(self, *, free_bytes=0, to_used=None, older_than_ns=None, inos=None):
         """The files to evict, in policy order, for one of the ways of asking. No side effects
         beyond the policy's own bookkeeping of the walk."""
-        capacity = self.ns.cache.capacity_bytes()
+        capacity = self.ns.journal.capacity_bytes()
         if to_used is not None:
             free_bytes = max(0, int((self.used_fraction() - to_used) * capacity))
         chosen, planned = [], 0
@@ -156,7 +156,7 @@ class Evictor:
 
     async def make_room(self, nbytes=0):
         """Evict down to the low watermark (and at least ``nbytes``); returns the files evicted."""
-        capacity = self.ns.cache.capacity_bytes()
+        capacity = self.ns.journal.capacity_bytes()
         need = max(int((self.used_fraction() - self.low) * capacity), nbytes)
         if need <= 0 or self.policy.name == "none":
             return 0

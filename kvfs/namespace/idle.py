@@ -31,7 +31,7 @@ class IdleFiles:
 
     def live_data(self, inode):
         """``inode``'s FileData, built from its durable content if it is idle."""
-        return inode.data if inode.data is not None else build_live_data(inode, self.cache)
+        return inode.data if inode.data is not None else build_live_data(inode, self.journal, self.cache)
 
     @contextlib.contextmanager
     def holding(self, inode):
@@ -61,9 +61,9 @@ class IdleFiles:
         return True
 
 
-def build_live_data(inode, blocks):
-    """Make an idle file's live content from its durable record, its blocks pinned
-    (``blocks``: the block cache, or the tree's BlockRefs).
+def build_live_data(inode, journal, cache):
+    """Make an idle file's live content from its durable record, its blocks pinned in
+    ``cache`` (None: fsck's tree, which pins nothing); ``journal`` gives its dedup domain.
 
     The tree calls this too when an idle file leaves the namespace while the
     kernel still knows it (an unlink or a rename over it, with lookups held): the
@@ -72,8 +72,9 @@ def build_live_data(inode, blocks):
     references are gone. Built at the open instead, it would name blocks already
     freed, with the size of the old content: zeros where the content was
     (tests/test_stress.py found it)."""
-    data = inode.data = FileData(inode.size_committed, inode.committed, blocks.domain_of(inode.uid))
-    blocks.attach(data)
+    data = inode.data = FileData(inode.size_committed, inode.committed, journal.domain_of(inode.uid))
+    if cache is not None:
+        cache.attach(data)
     return data
 
 

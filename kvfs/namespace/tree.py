@@ -18,19 +18,20 @@ Invariants (checked by fsck): every directory entry names an inode in
 of entries naming it (directories: 2 + subdirectories); inode numbers are never
 reused (``next_ino`` only grows).
 
-The tree needs from below only a small set of block services (``BlockRefs``):
-the block cache in a mount, the block index itself in fsck, which loads a
-namespace without a cache.
+The tree takes block references, keys and domains from the journal port
+(kvfs/schema/port.py, the block index), and pins live contents in the block
+cache; fsck loads a tree with no cache (``cache`` None): nothing is pinned.
 """
 import logging
 import stat
 from stat import S_IFDIR, S_IFREG
-from typing import Protocol
+from typing import Optional
 
 from .. import schema
 from ..base.sharedints import shared
-from ..blockcache import FileData
+from ..blockcache import BlockCache, FileData
 from ..errors import CorruptBlock, FormatError, NotADirectory, NotFound, Stale
+from ..schema.port import JournalPort
 from .contentindex import ContentIndex
 from .cut import TreeCut
 from .idle import build_live_data
@@ -41,28 +42,15 @@ from .treeload import load_rows
 log = logging.getLogger(__name__)
 
 
-class BlockRefs(Protocol):
-    """What the tree asks of the layer below it."""
-
-    def key_of(self, data: bytes) -> bytes: ...
-    def add_ref(self, key: bytes, off: int, length: int, domain: int = 0) -> None: ...
-    def domain_of(self, uid: int) -> int: ...
-    def public_id(self, key: bytes) -> bytes: ...
-    def drop_ref(self, key: bytes) -> None: ...
-    def has_block(self, key: bytes) -> bool: ...
-    def stored_keys(self, keys) -> list: ...
-    def block_count(self) -> int: ...
-    def attach(self, filedata: FileData) -> None: ...
-    def release(self, filedata: FileData) -> None: ...
-
-
 class Tree:
-    def __init__(self, blocks: BlockRefs, now):
-        self.blocks = blocks
+    journal: JournalPort
+
+    def __init__(self, journal: JournalPort, now, cache: Optional[BlockCache] = None):
+        self.journal, self.cache = journal, cache
         self.now = now
         self.inodes = {}           # durable inodes
         self.orphans = {}          # unlinked but still open or looked up
-        self.content = ContentIndex(blocks, self.inodes)     # built on first use (contentindex.py)
+        self.content = ContentIndex(journal, self.inodes)    # built on first use (contentindex.py)
         self.next_ino = FIRST_INO
         self.loading = True        # during replay nothing is held in RAM yet
         self.pinned = set()        # files never evicted (durable: the checkpoint's "pinned")
@@ -143,7 +131,7 @@ class Tree:
         lookups less.
         """
         inodes, cost_of = self.inodes, self._inode_cost
-        stored_keys, domain_of, attach = self.blocks.stored_keys, self.blocks.domain_of, self.blocks.attach
+        stored_keys, domain_of = self.journal.stored_keys, self.journal.domain_of
         meta = files = dirs = committed_bytes = 0
         for inode in inodes.values():
             kind = inode.mode & 0o170000
@@ -179,7 +167,8 @@ class Tree:
                 log.error("inode %d names blocks missing from the index: reads give EIO", inode.ino)
                 inode.data = FileData(inode.size_committed, present, domain_of(inode.uid))
                 inode.data.failed = CorruptBlock
-                attach(inode.data)
+                if self.cache is not None:
+                    self.cache.attach(inode.data)
         self._meta_bytes, self.file_count, self.dir_count, self.committed_bytes = meta, files, dirs, committed_bytes
         self.loading = False
 
@@ -247,7 +236,7 @@ class Tree:
             self._link(directory, rec.name, inode, rec.ns)
             if inode.is_file:
                 if not self.loading:        # replay builds none: load leaves files idle (idle.py)
-                    inode.data = FileData(domain=self.blocks.domain_of(inode.uid))
+                    inode.data = FileData(domain=self.journal.domain_of(inode.uid))
                 self._set_committed(inode, 0, ())
                 inode.provisional = True
         elif isinstance(rec, schema.Link):
@@ -280,7 +269,7 @@ class Tree:
             self.preserve(inode)
             inode.mode, inode.uid, inode.gid = rec.mode, rec.uid, rec.gid
             if inode.data is not None:      # new blocks go to the new owner's dedup domain
-                inode.data.domain = self.blocks.domain_of(inode.uid)
+                inode.data.domain = self.journal.domain_of(inode.uid)
             inode.atime, inode.mtime, inode.ctime = rec.atime, rec.mtime, rec.ctime
         elif isinstance(rec, schema.Content):
             inode = self._known(rec, rec.ino)
@@ -289,10 +278,10 @@ class Tree:
             self.preserve(inode)
             for block in rec.blocks:
                 if block is not None:
-                    self.blocks.add_ref(block.key, block.off, block.length, block.domain)
+                    self.journal.add_ref(block.key, block.off, block.length, block.domain)
             for key in inode.committed:
                 if key is not None:
-                    self.blocks.drop_ref(key)
+                    self.journal.drop_ref(key)
             self._set_committed(inode, rec.size, tuple(None if b is None else b.key for b in rec.blocks))
             inode.mtime, inode.ctime = rec.mtime, rec.ctime
             inode.provisional = False
@@ -377,10 +366,10 @@ class Tree:
         orphan = inode.lookups or inode.opens
         if inode.is_file:
             if orphan and inode.data is None and not inode.evicted and not self.loading:
-                build_live_data(inode, self.blocks)    # the kernel may still open it (idle.py)
+                build_live_data(inode, self.journal, self.cache)    # the kernel may still open it (idle.py)
             for key in inode.committed:
                 if key is not None:
-                    self.blocks.drop_ref(key)
+                    self.journal.drop_ref(key)
             self.content.forget(inode)
             inode.committed = ()
         if orphan:
@@ -388,7 +377,7 @@ class Tree:
             if inode.evicted and inode.data is not None and not self.loading:
                 # Nobody has it open, and a cached lookup may not reach it any more:
                 # its blocks go now, not when the kernel forgets the inode.
-                self.blocks.release(inode.data)
+                self._release(inode.data)
                 inode.data = None
         else:
             self.destroy(inode)
@@ -397,7 +386,11 @@ class Tree:
         """Nothing refers to the inode any more: let go of its live content."""
         self.orphans.pop(inode.ino, None)
         if inode.data is not None and not self.loading:
-            self.blocks.release(inode.data)
+            self._release(inode.data)
+
+    def _release(self, data):
+        if self.cache is not None:
+            self.cache.release(data)
 
     def maybe_destroy(self, inode):
         if inode.ino in self.orphans and not inode.lookups and not inode.opens:
@@ -434,5 +427,5 @@ class Tree:
 
     def metadata_bytes(self):
         """Estimated (upper bound) checkpoint size of the durable state."""
-        return self._meta_bytes + INDEX_BLOCK_COST * self.blocks.block_count() + 4096
+        return self._meta_bytes + INDEX_BLOCK_COST * self.journal.block_count() + 4096
 

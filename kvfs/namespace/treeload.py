@@ -28,7 +28,7 @@ def load_rows(tree, rows, *, consume):
     missing = False
     for batch, only_files in batches:
         if only_files:
-            missing |= _load_files(tree.inodes, tree.blocks, batch)
+            missing |= _load_files(tree.inodes, tree.journal, batch)
         else:
             missing |= _load_one_by_one(tree, batch)
     return missing
@@ -46,7 +46,7 @@ def _load_one_by_one(tree, rows):
     return missing
 
 
-def _load_files(inodes, blocks, rows):
+def _load_files(inodes, journal, rows):
     """Regular files' validated rows as idle Inodes (namespace/idle.py); True if a block is missing."""
     inos, modes, uids, gids, nlinks, rdevs, atimes, mtimes, ctimes, payloads = zip(*rows)
     if len(set(inos)) != len(inos) or not inodes.keys().isdisjoint(inos):
@@ -60,7 +60,7 @@ def _load_files(inodes, blocks, rows):
     key_lists = tuple(map(_second, payloads))
     counts = set(map(len, key_lists))
     every_key = [key for keys in key_lists for key in keys] if counts != _ONE else list(map(_first, key_lists))
-    present = blocks.stored_keys(every_key)
+    present = journal.stored_keys(every_key)
     missing = present != every_key
     if missing:
         present = [p if p is not None else k for p, k in zip(present, every_key)]
@@ -91,7 +91,7 @@ def _load_file(tree, ino, mode, uid, gid, nlink, rdev, atime, mtime, ctime, payl
     # next row's (a million freed at the end of the load left 64 MB of empty
     # allocator pools). None: a hole, or a block the index lacks.
     size, keys = payload
-    present = tree.blocks.stored_keys(keys)
+    present = tree.journal.stored_keys(keys)
     missing = present != keys
     if missing:
         present = [p or k for p, k in zip(present, keys)]

@@ -13,13 +13,16 @@ import trio
 
 from ..blockcache import FileData
 from ..errors import CorruptBlock, NotFound
+from ..schema.port import JournalPort
 from .inodes import ROOT_INO, VIEW_BIT, ViewInode
 
 
 class ByHashView:
-    def __init__(self, tree, cache):
+    journal: JournalPort
+
+    def __init__(self, tree, cache, journal: JournalPort):
         self.tree = tree
-        self.cache = cache
+        self.cache, self.journal = cache, journal
         self.views = {}            # view inode number -> ViewInode
         self._view_of = {}         # (content key, source ino) -> view inode number
         self._next_view = 1
@@ -192,7 +195,7 @@ class ByHashView:
             source = self.tree.inodes.get(view.source)
             if source is None or source.content_key != view.content_key:
                 raise NotFound("that content is no longer stored")
-            if any(k is not None and not self.cache.has_block(k) for k in source.committed):
+            if any(k is not None and not self.journal.has_block(k) for k in source.committed):
                 raise CorruptBlock("that content names blocks missing from the index")
             view.data = FileData(source.size_committed, source.committed)
             self.cache.attach(view.data)

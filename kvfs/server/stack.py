@@ -1,9 +1,11 @@
 """Build the layer stack in one place: device -> extent store -> block index -> block cache -> namespace.
 
 The daemon, fsck and the tests all assemble kvfs here. Each layer is handed
-only the layer below it. fsck loads the durable namespace without a block
-cache (:func:`load_tree`): the tree then takes its block services from the
-block index directly.
+the layer below it; the namespace is also handed the block index as its
+journal port (kvfs/schema/port.py): records, commits, checkpoints, block
+references and space, which do not pass through the block cache. fsck loads
+the durable namespace without a block cache (:func:`load_tree`): its tree has
+the same journal port, and no cache to pin live contents in.
 """
 import logging
 import os
@@ -78,43 +80,6 @@ def _replay(store, index, load, *, consume=False):
     return result
 
 
-class IndexRefs:
-    """The block services a Tree needs, straight from the block index (fsck: no cache)."""
-
-    def __init__(self, index):
-        self.index = index
-
-    def key_of(self, data):
-        return self.index.key_of(data)
-
-    def add_ref(self, key, off, length, domain=0):
-        self.index.add_ref(key, off, length, domain)
-
-    def domain_of(self, uid):
-        return self.index.domain_of(uid)
-
-    def public_id(self, key):
-        return self.index.public_id(key)
-
-    def drop_ref(self, key):
-        self.index.drop_ref(key)
-
-    def has_block(self, key):
-        return key in self.index.entries
-
-    def stored_keys(self, keys):
-        return self.index.stored_keys(keys)
-
-    def block_count(self):
-        return self.index.block_count()
-
-    def attach(self, filedata):
-        pass                        # nothing runs: no live users to pin for
-
-    def release(self, filedata):
-        pass
-
-
 def check_mountable(path, options, mmp):
     """What mount.kvfs checks before it forks the daemon, reading only: the
     superblock, the checkpoints' checksums, the journal, and that no live owner
@@ -139,7 +104,7 @@ def load_tree(device, *, salvage=False, now=time.time_ns):
         store = ExtentStore.open(device, salvage=salvage)
         loaded = store.loaded
         index = BlockIndex(store)
-        tree = Tree(IndexRefs(index), now)
+        tree = Tree(index, now)
         skipped = _replay(store, index, lambda state, records: tree.load(state, records, skip_failures=salvage))
     return store, index, tree, loaded, skipped
 
@@ -180,7 +145,7 @@ class Filesystem:
                                    dedup_verify=getattr(options, "dedup_verify", False))
                 cache = BlockCache(index, cache_size=options.cache_size, dirty_limit=options.dirty_limit,
                                    read_depth=options.read_depth, flush_workers=options.flush_workers)
-                namespace = Namespace(cache, now=now,
+                namespace = Namespace(cache, index, now=now,
                                       eviction_policy=getattr(options, "eviction_policy", "s3fifo"),
                                       high_watermark=getattr(options, "high_watermark", 0.9),
                                       low_watermark=getattr(options, "low_watermark", 0.8))

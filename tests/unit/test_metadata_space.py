@@ -25,7 +25,7 @@ LINK_MODE = stat.S_IFLNK | 0o777
 
 def recounted(ns):
     """``metadata_bytes()`` as it would be with the running count recomputed from scratch."""
-    return ns.tree.recount_metadata() + INDEX_BLOCK_COST * ns.cache.block_count() + 4096
+    return ns.tree.recount_metadata() + INDEX_BLOCK_COST * ns.journal.block_count() + 4096
 
 
 def written_checkpoint_bytes(path):

@@ -17,7 +17,6 @@ from kvfs.namespace import ROOT_INO, treeload
 from kvfs.namespace.inodes import Inode
 from kvfs.namespace.tree import Tree
 from kvfs.schema.stream import decode_streaming
-from kvfs.server.stack import IndexRefs
 
 from .helpers import BS, close_and_check, mkfs, open_fs, running, write_file
 
@@ -47,7 +46,7 @@ def _file_rows(fs):
 
 
 def _trees(fs):
-    return [Tree(IndexRefs(fs.index), fs.ns.tree.now) for _ in range(2)]
+    return [Tree(fs.index, fs.ns.tree.now) for _ in range(2)]
 
 
 def test_a_list_of_files_makes_the_inodes_rows_one_by_one_make(tmp_path):
@@ -69,7 +68,7 @@ def test_a_list_of_files_makes_the_inodes_rows_one_by_one_make(tmp_path):
 
 def _compare_loads(fs, rows):
     by_list, by_row = _trees(fs)
-    assert treeload._load_files(by_list.inodes, by_list.blocks, rows) is True        # the lost block
+    assert treeload._load_files(by_list.inodes, by_list.journal, rows) is True        # the lost block
     assert treeload._load_one_by_one(by_row, rows) is True
     assert by_list.inodes.keys() == by_row.inodes.keys() == {row[0] for row in rows}
     for ino, fast in by_list.inodes.items():
@@ -97,11 +96,11 @@ def test_a_list_of_files_refuses_an_inode_twice(tmp_path):
     row = [40, 0o100644, 0, 0, 1, 0, 5, 5, 5, [0, []]]
     tree, _ = _trees(fs)
     with pytest.raises(FormatError, match="inode 40 twice"):
-        treeload._load_files(tree.inodes, tree.blocks, [row, [41] + row[1:], list(row)])
+        treeload._load_files(tree.inodes, tree.journal, [row, [41] + row[1:], list(row)])
     tree, _ = _trees(fs)
-    treeload._load_files(tree.inodes, tree.blocks, [row])
+    treeload._load_files(tree.inodes, tree.journal, [row])
     with pytest.raises(FormatError, match="inode 40 twice"):
-        treeload._load_files(tree.inodes, tree.blocks, [[41] + row[1:], row])
+        treeload._load_files(tree.inodes, tree.journal, [[41] + row[1:], row])
     close_and_check(fs)
 
 
