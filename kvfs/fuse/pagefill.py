@@ -6,7 +6,7 @@ Why. A cold buffered read() of a chunk file goes through the kernel's
 readahead: 1 MiB READ requests, each answered by pyfuse3 on its one event-loop
 thread, which copies the reply into freshly allocated 4 KiB page-cache pages
 while it holds the GIL. That copy was most of the loop's time and the limit of
-a cold buffered read (README, "Benchmarks"). FUSE_NOTIFY_STORE makes the same
+a cold buffered read (docs/benchmarks.md). FUSE_NOTIFY_STORE makes the same
 copy in whichever thread writes the notification: here worker threads, in
 parallel, while the loop serves other requests. The reader's read() then finds
 the pages cached and sends no READ at all.

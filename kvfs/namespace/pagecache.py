@@ -13,7 +13,7 @@ Mixed into :class:`~kvfs.namespace.Namespace`. Three facts of the kernel
   lands in the daemon only, and the stale page stays cached, up to date in
   the kernel's eyes, for every later reader. tests/test_stress.py found it
   (a reader that opened during a chunked O_TRUNC rewrite got zeros after a
-  write boundary); tests/repro_otrunc_mix.py hunts it.
+  write boundary).
 * A GETATTR reply whose mtime differs from the one the kernel holds drops
   every cached page too (auto_inval_data, which libfuse turns on and pyfuse3
   cannot turn off; it needs no writeback_cache). While a write extends the

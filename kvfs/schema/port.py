@@ -9,10 +9,10 @@ namespace an object that implements this port, the block index
 records and checkpoints to the store below it.
 
 Why a side port, and why here. The layers call one layer down. Durability
-cannot follow that rule without a layer that only forwards: before this port
-the block cache forwarded some twenty calls to the index, fsck had a copy of
-the same forwarding (``IndexRefs``), and a commit asked for by the index went up
-to the namespace and back down through the cache. The port is the one conscious
+cannot follow that rule without a layer that only forwards: the block cache
+would pass some twenty calls on to the index untouched, fsck would need a copy
+of the same forwarding, and a commit asked for by the index would go up to the
+namespace and back down through the cache. The port is the one conscious
 exception to the rule, and it is typed and checked rather than listed:
 
 - it is a Protocol on the ground floor, so both sides may import it: the
