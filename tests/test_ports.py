@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.blockcache import BlockCache
+from kvfs.blockcache.port import CachePort
 from kvfs.blockindex import BlockIndex
+from kvfs.blockindex.port import IndexPort
 from kvfs.device import Device
 from kvfs.device.port import DevicePort
 from kvfs.namespace import Namespace
@@ -28,6 +31,8 @@ KVFS = Path(__file__).resolve().parent.parent / "kvfs"
 BOUNDARIES = [
     (DevicePort, Device, "store", {"device"}),
     (StorePort, ExtentStore, "blockindex", {"store"}),
+    (IndexPort, BlockIndex, "blockcache", {"index"}),
+    (CachePort, BlockCache, "namespace", {"cache"}),
     (NamespacePort, Namespace, "fuse", {"ns", "namespace"}),
     (JournalPort, BlockIndex, "namespace", {"journal"}),       # a side port (kvfs/schema/port.py)
 ]

@@ -16,6 +16,7 @@ import dataclasses
 
 import trio
 
+from ..blockindex.port import IndexPort
 from .filedata import Dirty, FileData, all_zero
 from .reads import ReadSide
 from .writeback import WriteBack
@@ -51,7 +52,7 @@ class CacheStatistics:
 
 
 class BlockCache(ReadSide, WriteBack):
-    def __init__(self, index, *, cache_size, dirty_limit, read_depth=32, flush_workers=8):
+    def __init__(self, index: IndexPort, *, cache_size, dirty_limit, read_depth=32, flush_workers=8):
         self.index = index
         self.bs = index.block_size
         self.cache_size = max(cache_size, 4 * self.bs)

@@ -20,6 +20,7 @@ import trio
 
 from .. import schema
 from ..base.crashpoints import armed, crashpoint
+from ..blockcache.port import CachePort
 from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .durability import Durability
@@ -29,6 +30,7 @@ from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_CO
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
 from .pagecache import KernelPages
+from .port import SpaceFigures
 from .shape import check_shape
 from .tree import Tree
 from .truncation import TruncationWindow
@@ -38,15 +40,6 @@ __all__ = ["BY_HASH_INO", "FIRST_INO", "KEY_XATTR", "META_DIR_INO", "META_NAME",
            "VIEW_BIT", "DirEntries", "Inode", "Namespace", "NamespaceStatistics", "SpaceFigures", "Tree"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SpaceFigures:
-    capacity_bytes: int
-    available_bytes: int
-    inodes: int
-    free_inodes: int
-    block_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +60,8 @@ class NamespaceStatistics:
 
 
 class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
-    def __init__(self, cache, journal, *, now=time.time_ns, eviction_policy="s3fifo", high_watermark=0.9,
-                 low_watermark=0.8):
+    def __init__(self, cache: CachePort, journal, *, now=time.time_ns, eviction_policy="s3fifo",
+                 high_watermark=0.9, low_watermark=0.8):
         self.cache, self.journal = cache, journal
         self.now = now
         self.tree = Tree(journal, now, cache)
@@ -76,9 +69,8 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         self.evictor = Evictor(self, policy=eviction_policy, high_watermark=high_watermark,
                                low_watermark=low_watermark)
         self.admin = Admin(self, self.evictor)
-        self.handles = {}
         self._unsealed = {}            # ino -> inode: every content_dirty file (durability.py)
-        self._next_fh, self._nursery = 1, None
+        self.handles, self._next_fh, self._nursery = {}, 1, None
         self._durability_lock = trio.Lock()
         self._cut_limiter = trio.CapacityLimiter(1)       # a checkpoint's rows, off the event loop
         self._checkpoint_stats = {"cut_ms_max": 0.0, "last_ms": 0.0,

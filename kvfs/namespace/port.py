@@ -8,7 +8,18 @@ named here.
 Inodes are numbers, names are bytes, open files are handles (``fh``). Errors
 are :mod:`kvfs.errors` types; the FUSE layer turns them into errno in one place.
 """
+import dataclasses
 from typing import Any, Awaitable, ContextManager, Iterator, Optional, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaceFigures:
+    """What :meth:`NamespacePort.statfs` answers: data bytes, and inodes as metadata space allows."""
+    capacity_bytes: int
+    available_bytes: int
+    inodes: int
+    free_inodes: int
+    block_size: int
 
 
 class NamespacePort(Protocol):
@@ -24,7 +35,7 @@ class NamespacePort(Protocol):
     def list_dir(self, ino: int, after: int) -> Iterator[tuple]: ...   # (name, ino, cookie)
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
              target: Optional[bytes] = None) -> int: ...
-    def link(self, ino: int, parent: int, name: bytes) -> None: ...
+    def link(self, ino: int, parent: int, name: bytes) -> int: ...            # counts one kernel lookup
     def unlink(self, parent: int, name: bytes, *, directory: bool) -> None: ...
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, *,
                noreplace: bool = False) -> Awaitable[None]: ...
@@ -32,7 +43,7 @@ class NamespacePort(Protocol):
     def setattr(self, ino: int, *, size: Optional[int] = None, mode: Optional[int] = None,
                 uid: Optional[int] = None, gid: Optional[int] = None, atime: Optional[int] = None,
                 mtime: Optional[int] = None) -> Awaitable[Any]: ...
-    def statfs(self) -> tuple: ...
+    def statfs(self) -> SpaceFigures: ...
 
     # File contents, through open handles.
     def open(self, ino: int, flags: int, *, privileged: bool = True) -> tuple: ...   # (fh, direct_io, keep_cache)
@@ -50,6 +61,6 @@ class NamespacePort(Protocol):
     def stale_kernel_pages(self, fh: int, off: int, size: int) -> Awaitable[Any]: ...
 
     # The by-hash view.
-    def lookup_view(self, name: bytes, caller: Any) -> Awaitable[Optional[tuple]]: ...
+    def lookup_view(self, name: bytes, caller: Any) -> Awaitable[int]: ...   # counts one lookup; NotFound
     def view_listing(self, caller: Any) -> Awaitable[Any]: ...
     def release_view_listing(self, listing: Any) -> None: ...
