@@ -14,12 +14,18 @@ import trio.testing
 
 import time
 
+import msgpack
+from hypothesis import strategies as st
+
 from kvfs import schema
+from kvfs.device import Device
 from kvfs.device import testfaults as kvfs_faults
 from kvfs.server import fsck
 from kvfs.server.daemon import MountOptions
 from kvfs.namespace import ROOT_INO
 from kvfs.server.stack import Filesystem
+from kvfs.store import MmpSettings, mmp
+from kvfs.store.loader import load
 from kvfs.store.mkfs import make_filesystem
 
 BS = 64 << 10                 # smallest legal block size: keeps the tests fast
@@ -213,3 +219,145 @@ async def wait_until(predicate, *, what="condition", limit_s=20.0):
         if not predicate():
             await trio.to_thread.run_sync(time.sleep, 0.002)
     return True
+
+
+# -- multi-mount protection: a claim's time, standing still until it sleeps ---------------
+
+class World:
+    """Time that passes only when a probe or claim sleeps; ``during_sleep`` is what happens meanwhile."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.slept = []
+        self.during_sleep = lambda: None
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+        self.during_sleep()
+
+    def clock(self):
+        return self.now
+
+
+def mmp_settings(world, host="host-b", interval=0.25, **kw):
+    """MmpSettings for ``host`` whose sleeps and clock are ``world``'s."""
+    return MmpSettings(interval=interval, host_id=host, hostname=host, sleep=world.sleep, clock=world.clock, **kw)
+
+
+def on_disk(device, sb):
+    """The MMP record on the device now."""
+    return mmp.read_record(device, sb)[1]
+
+
+# -- hostile checkpoints over a fuzzing image (tests/unit/fuzzing.py's Image) --------------
+
+S = schema.SECTOR
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.binary(max_size=40)
+    | st.text(max_size=10) | st.floats(allow_nan=False),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8) | st.integers(), inner,
+                                                                 max_size=4),
+    max_leaves=30)
+modes = st.sampled_from([0o100644, 0o40755, 0o120777, 0o10644, 0o20644, 0, 0o170000, 0o777, -1])
+
+
+def loaded_state(img):
+    device = Device.open(img.path, readonly=True)
+    try:
+        return load(device)
+    finally:
+        device.close()
+
+
+def slot_offset(img, state):
+    """The slot that is not in use: a newer generation written there wins."""
+    return (img.sb.checkpoint_a_off, img.sb.checkpoint_b_off)[1 - state.active_slot]
+
+
+def write_checkpoint(img, state, wire, generation=None):
+    """The damage: ``wire`` as the newest checkpoint, checksums right; journal then of an older generation."""
+    payload = msgpack.packb(wire)
+    if S + len(payload) > img.sb.checkpoint_len:
+        return None
+    generation = state.generation + 1 if generation is None else generation
+    return [(slot_offset(img, state), schema.encode_checkpoint_header(generation, payload, img.sb.hash_seed)
+             + payload)]
+
+
+def hostile_writes(img, wire):
+    """write_checkpoint's writes for ``wire`` on the image now; None when msgpack cannot
+    encode it or it does not fit a slot (the case is then skipped)."""
+    try:
+        return write_checkpoint(img, loaded_state(img), wire)
+    except (OverflowError, ValueError, TypeError):
+        return None
+
+
+def real_wire(img):
+    """The image's newest checkpoint payload, as the msgpack map it is on the device."""
+    state = loaded_state(img)
+    off = (img.sb.checkpoint_a_off, img.sb.checkpoint_b_off)[state.active_slot]
+    _, length, _ = schema.decode_checkpoint_header(img.read(off, S), img.sb.checkpoint_len, img.sb.hash_seed)
+    return msgpack.unpackb(img.read(off + S, length), strict_map_key=False)
+
+
+KEYS = ["next_ino", "inodes", "blocks", "free", "provisional", "pinned"]
+EDITS = ["row-field", "dup-row", "drop-row", "dangling-entry", "cycle", "dir-hardlink", "block-field",
+         "overlap-blocks", "overlap-free", "free-field", "dup-block", "top-type", "provisional", "root-type"]
+hostile_ints = st.one_of(st.sampled_from([-1, -(1 << 63), 0, 1, 2, 15, 16, (1 << 63) - 1, (1 << 64) - 1]),
+                         st.integers(-1000, 1 << 40))
+
+
+def intact(dirs):
+    """The directory rows whose payload an earlier "row-field" edit left a [parent, [entries]] pair."""
+    return [r for r in dirs if len(r) > 9 and isinstance(r[9], list) and len(r[9]) == 2
+            and isinstance(r[9][1], list)]
+
+
+@st.composite
+def hostile_state(draw, wire):
+    wire = json.loads(json.dumps(wire, default=lambda b: {"__b": b.hex()}),
+                      object_hook=lambda o: bytes.fromhex(o["__b"]) if "__b" in o else o)
+    inodes, blocks, free = wire["inodes"], wire["blocks"], wire.setdefault("free", [])
+    dirs = [r for r in inodes if r[1] & 0o170000 == 0o040000]
+    files = [r for r in inodes if r[1] & 0o170000 == 0o100000]
+    for edit in draw(st.lists(st.sampled_from(EDITS), min_size=1, max_size=3)):
+        if edit == "row-field":
+            row = draw(st.sampled_from(inodes))
+            row[draw(st.integers(0, len(row) - 1))] = draw(hostile_ints | msgpack_values)
+        elif edit == "dup-row":
+            inodes.append(list(draw(st.sampled_from(inodes))))
+        elif edit == "drop-row":
+            inodes.remove(draw(st.sampled_from(inodes)))
+        elif edit == "dangling-entry" and intact(dirs):
+            draw(st.sampled_from(intact(dirs)))[9][1].append([b"ghost", draw(hostile_ints)])
+        elif edit == "cycle" and intact(dirs):
+            a, b = draw(st.sampled_from(intact(dirs))), draw(st.sampled_from(intact(dirs)))
+            b[9][1].append([b"loop", a[0]])
+            a[9][0] = b[0]
+        elif edit == "dir-hardlink" and intact(dirs):
+            draw(st.sampled_from(intact(dirs)))[9][1].append([b"again", draw(st.sampled_from(dirs))[0]])
+        elif edit == "block-field" and blocks:
+            row = draw(st.sampled_from(blocks))
+            row[draw(st.integers(0, 3))] = draw(hostile_ints | msgpack_values)
+        elif edit == "overlap-blocks" and len(blocks) > 1 and type(blocks[1][1]) is int:
+            blocks[0][1] = blocks[1][1] + draw(st.sampled_from([0, S, -S]))
+        elif edit == "overlap-free" and blocks and free:
+            free.append([blocks[0][1], draw(st.sampled_from([S, BS, 1 << 30]))])
+        elif edit == "free-field" and free:
+            ext = draw(st.sampled_from(free))
+            ext[draw(st.integers(0, 1))] = draw(hostile_ints)
+        elif edit == "dup-block" and blocks:
+            blocks.append(list(blocks[0]))
+        elif edit == "top-type":
+            wire[draw(st.sampled_from(KEYS))] = draw(msgpack_values)
+        elif edit == "provisional":
+            wire["provisional"] = draw(st.lists(hostile_ints | st.sampled_from([r[0] for r in files]), max_size=3))
+        elif edit == "root-type":
+            for root in (r for r in inodes if r[0] == ROOT_INO):
+                root[1] = draw(modes)
+        if not isinstance(wire.get("inodes"), list) or not inodes:
+            break
+    return wire

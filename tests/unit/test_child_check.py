@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 from kvfs.store import childcheck
 
 from .fuzzing import FUZZ
-from .helpers import close_and_check, lookup_path, mkfs, open_fs, pattern, read_all, running, write_file
-from .test_fuzz_format import (hostile_state, hostile_writes, image, loaded_state, real_wire,  # noqa: F401
-                               write_checkpoint)
+from .helpers import (close_and_check, hostile_state, hostile_writes, loaded_state, lookup_path, mkfs, open_fs,
+                      pattern, read_all, real_wire, running, write_checkpoint, write_file)
 
 IN_PROCESS = 1 << 62
 
@@ -87,7 +86,7 @@ def _not_a_row(wire):
 
 @pytest.mark.parametrize("edit", [_bad_mode, _bad_block_refs, _overlap, _too_many_blocks, _not_a_row],
                          ids=lambda f: f.__name__.strip("_"))
-def test_one_defect_is_refused_alike_with_the_same_message(image, monkeypatch, edit):   # noqa: F811
+def test_one_defect_is_refused_alike_with_the_same_message(image, monkeypatch, edit):
     wire = real_wire(image)
     edit(wire)
     in_process, in_child = damaged_outcomes(image, wire, monkeypatch)
@@ -95,7 +94,7 @@ def test_one_defect_is_refused_alike_with_the_same_message(image, monkeypatch, e
     assert in_child == in_process
 
 
-def test_a_child_that_dies_leaves_the_checks_to_the_mount(image, monkeypatch):   # noqa: F811
+def test_a_child_that_dies_leaves_the_checks_to_the_mount(image, monkeypatch):
     parent, refusal = os.getpid(), childcheck._refusal
 
     def die_in_the_child(check):
@@ -113,7 +112,7 @@ def test_a_child_that_dies_leaves_the_checks_to_the_mount(image, monkeypatch):  
 @pytest.mark.expect_errors(r"names blocks missing from the index")     # a dropped block row
 @FUZZ
 @given(data=st.data())
-def test_hostile_checkpoints_are_refused_or_mounted_alike(image, data):    # noqa: F811
+def test_hostile_checkpoints_are_refused_or_mounted_alike(image, data): 
     writes = hostile_writes(image, data.draw(hostile_state(real_wire(image))))
     if writes is None:
         return
@@ -126,7 +125,7 @@ def test_hostile_checkpoints_are_refused_or_mounted_alike(image, data):    # noq
         assert in_process[1] is None and in_child[1] == "child process"
 
 
-def test_inode_rows_that_are_not_an_array_are_judged_as_in_process(image, monkeypatch):   # noqa: F811
+def test_inode_rows_that_are_not_an_array_are_judged_as_in_process(image, monkeypatch):
     """Found by the fuzzer: a map where the rows' array belongs is decoded whole, not streamed."""
     for rows in ({}, {1: 2}, "x"):
         wire = real_wire(image)

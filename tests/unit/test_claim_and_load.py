@@ -1,7 +1,7 @@
 """kvfs.store.opening: the store loads while the multi-mount claim waits, and is loaded
 again if its metadata moved meanwhile (a forced-out owner committing until it notices).
 
-Time passes only when the claim sleeps (World from test_mmp); what another writer does
+Time passes only when the claim sleeps (World, from helpers); what another writer does
 meanwhile runs in that sleep, on a second handle of the same store file.
 """
 import time
@@ -17,8 +17,7 @@ from kvfs.store import mmp
 from kvfs.store.loader import load, read_superblock
 from kvfs.store.opening import claim_and_load, release_quietly
 
-from .helpers import flip_byte, mkfs, open_fs, running, write_file
-from .test_mmp import World, on_disk, settings
+from .helpers import World, flip_byte, mkfs, mmp_settings, on_disk, open_fs, running, write_file
 
 
 def another_writer_commits(path, name, *, checkpoint):
@@ -53,7 +52,7 @@ def store(tmp_path):
 def test_an_untouched_store_loads_once_as_a_plain_load_would(store, caplog):
     path, device, sb = store
     world = World()
-    loaded, guard = claim_and_load(device, sb, settings(world, "host-a"))
+    loaded, guard = claim_and_load(device, sb, mmp_settings(world, "host-a"))
     try:
         plain = load(device)
         assert loaded.generation == plain.generation and loaded.records == plain.records
@@ -83,7 +82,7 @@ def test_a_commit_while_the_claim_waits_is_seen(store, caplog, checkpoint):
             done.append(True)
             another_writer_commits(path, b"late", checkpoint=checkpoint)
     world.during_sleep = during_sleep
-    loaded, guard = claim_and_load(device, sb, settings(world, "host-a"))
+    loaded, guard = claim_and_load(device, sb, mmp_settings(world, "host-a"))
     try:
         assert done
         assert "loading it again" in caplog.text
@@ -104,17 +103,17 @@ def test_a_damaged_store_fails_its_load_and_the_claim_is_released(store):
     flip_byte(path, sb.checkpoint_a_off + schema.SECTOR + 10)   # and of the other one
     world = World()
     with pytest.raises(FormatError):
-        claim_and_load(device, sb, settings(world, "host-a"))
+        claim_and_load(device, sb, mmp_settings(world, "host-a"))
     assert on_disk(device, sb).state == schema.MMP_CLEAN           # released, not left in use
 
 
 def test_a_live_owner_refuses_the_claim_after_the_load(store):
     path, device, sb = store
-    owner = mmp.claim(device, sb, settings(World(), "host-a"))
+    owner = mmp.claim(device, sb, mmp_settings(World(), "host-a"))
     world = World()
     world.during_sleep = owner.heartbeat_sync        # host-a heartbeats while host-b watches
     with pytest.raises(Busy):
-        claim_and_load(device, sb, settings(world, "host-b"))
+        claim_and_load(device, sb, mmp_settings(world, "host-b"))
     assert on_disk(device, sb).host_id == "host-a"
     owner.release_sync()
 
@@ -135,7 +134,7 @@ def test_what_the_caller_builds_runs_on_the_load_and_again_after_a_reload(store,
         if len(world.slept) == 1:
             another_writer_commits(path, b"late", checkpoint=False)
     world.during_sleep = during_sleep
-    (tag, loaded), guard = claim_and_load(device, sb, settings(world, "host-a"), prepare=prepare)
+    (tag, loaded), guard = claim_and_load(device, sb, mmp_settings(world, "host-a"), prepare=prepare)
     try:
         assert tag == "built" and "loading it again" in caplog.text
         # (Whether the first load saw the new frame depends on which thread got there first.)
@@ -152,5 +151,5 @@ def test_a_build_that_fails_releases_the_claim(store):
     def prepare(loaded):
         raise FormatError("the namespace is inconsistent")
     with pytest.raises(FormatError, match="inconsistent"):
-        claim_and_load(device, sb, settings(world, "host-a"), prepare=prepare)
+        claim_and_load(device, sb, mmp_settings(world, "host-a"), prepare=prepare)
     assert on_disk(device, sb).state == schema.MMP_CLEAN

@@ -19,11 +19,13 @@ original bytes or fails with an EIO-class error. Base images are made by mkfs an
 the real stack, never by hand, and fields are found by name (schema.field_layout),
 so the fuzzers follow format changes.
 
+The base image is the ``image`` fixture (tests/unit/conftest.py); the hostile
+checkpoint states and their writes are in tests/unit/helpers.py, shared with
+tests/unit/test_child_check.py.
+
 CI runs the short profile; the long run is
 ``KVFS_FUZZ=long KVFS_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q -s tests/unit/test_fuzz_format.py``.
 """
-import json
-import os
 import struct
 
 import msgpack
@@ -38,69 +40,17 @@ from kvfs.device import Device
 from kvfs.errors import FormatError
 from kvfs.namespace import ROOT_INO
 from kvfs.server.stack import load_tree
-from kvfs.store.loader import load
 
-from .fuzzing import COUNTS, FUZZ, Image, attempt, check_everything, count_case, summary
-from .helpers import BS, DIR_MODE, lookup_path, mkfs, open_fs, pattern, read_all, running, write_file
+from .fuzzing import FUZZ, attempt, check_everything, count_case
+from .helpers import (BS, KEYS, S, hostile_state, hostile_writes, loaded_state, lookup_path, modes, msgpack_values,
+                      open_fs, read_all, real_wire, running, write_checkpoint)
 
-S = schema.SECTOR
 SB_LAYOUT = schema.field_layout(schema.SUPERBLOCK, schema.Superblock.FIELDS)
 FRAME_LAYOUT = schema.field_layout(schema.JOURNAL_FRAME, schema.JOURNAL_FRAME_FIELDS)
 # Damaged blocks are reported as they are found: that is the behaviour under test.
 pytestmark = pytest.mark.expect_errors(r"kvfs\.blockindex: block \w+ at device offset \d+ fails its checksum",
                                        r"names blocks missing from the index")
 CKPT_LAYOUT = schema.field_layout(schema.CHECKPOINT_HEADER, schema.CHECKPOINT_HEADER_FIELDS)
-
-
-# -- base images ------------------------------------------------------------------------
-
-async def _populate(fs, files):
-    """Files in the root and in a subdirectory, a symlink, a hard link; half checkpointed."""
-    async with running(fs, persist=False):
-        sub = fs.ns.make(ROOT_INO, b"sub", DIR_MODE, 0, 0)
-        for i, (path, data) in enumerate(files.items()):
-            parent = sub if path.startswith(b"/sub/") else ROOT_INO
-            ino = await write_file(fs.ns, parent, path.rsplit(b"/", 1)[1], data)
-            if i == 1:
-                fs.ns.link(ino, ROOT_INO, b"hardlink")
-        fs.ns.make(ROOT_INO, b"symlink", 0o120777, 0, 0, target=b"sub/b")
-        await fs.ns.flush_all()
-        await fs.ns.checkpoint()
-        ino = await write_file(fs.ns, ROOT_INO, b"after-checkpoint", files[b"/a"][:5000])
-        fs.ns.make(ROOT_INO, b"dir-after", DIR_MODE, 0, 0)
-        await fs.ns.flush_all()
-        await fs.ns.commit()
-    return ino
-
-
-@pytest.fixture(scope="module")
-def image(tmp_path_factory):
-    path = mkfs(tmp_path_factory.mktemp("fuzz"))
-    files = {b"/a": pattern(1, 3 * BS + 123), b"/sub/b": pattern(2, BS), b"/sub/c": b"tiny",
-             b"/empty": b""}
-    fs = open_fs(path)
-    trio.run(_populate, fs, files)
-    sb = fs.store.sb
-    fs.close()
-    files[b"/hardlink"] = files[b"/sub/b"]
-    files[b"/after-checkpoint"] = files[b"/a"][:5000]
-    img = Image(path, sb, files)
-    before = img.read(0, sb.data_off)
-    yield img
-    assert img.read(0, sb.data_off) == before, "an example left the image damaged"
-    text = summary()
-    print("\n" + text)
-    if os.environ.get("KVFS_FUZZ_REPORT"):
-        with open(os.environ["KVFS_FUZZ_REPORT"], "w") as f:
-            json.dump({t: dict(c) for t, c in COUNTS.items()}, f, indent=1, sort_keys=True)
-
-
-def loaded_state(img):
-    device = Device.open(img.path, readonly=True)
-    try:
-        return load(device)
-    finally:
-        device.close()
 
 
 # -- (a) superblock -------------------------------------------------------------------
@@ -245,15 +195,8 @@ def small_ints():
     return st.one_of(st.integers(0, 40), st.sampled_from([-1, 1 << 63, (1 << 64) - 1, ROOT_INO]))
 
 
-msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.binary(max_size=40)
-    | st.text(max_size=10) | st.floats(allow_nan=False),
-    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8) | st.integers(), inner,
-                                                                 max_size=4),
-    max_leaves=30)
 names = st.one_of(st.sampled_from([b"a", b"sub", b".", b"..", b"", b"x/y", b"n\0", b"n" * 256, b"new"]),
                   st.binary(max_size=8))
-modes = st.sampled_from([0o100644, 0o40755, 0o120777, 0o10644, 0o20644, 0, 0o170000, 0o777, -1])
 
 
 @st.composite
@@ -323,30 +266,6 @@ def test_checkpoint_header_random_bytes(data, seed, slot_len):
     assert got is None or (got[1] <= slot_len - S)
 
 
-def slot_offset(img, state):
-    """The slot that is not in use: a newer generation written there wins."""
-    return (img.sb.checkpoint_a_off, img.sb.checkpoint_b_off)[1 - state.active_slot]
-
-
-def write_checkpoint(img, state, wire, generation=None):
-    """The damage: ``wire`` as the newest checkpoint, checksums right; journal then of an older generation."""
-    payload = msgpack.packb(wire)
-    if S + len(payload) > img.sb.checkpoint_len:
-        return None
-    generation = state.generation + 1 if generation is None else generation
-    return [(slot_offset(img, state), schema.encode_checkpoint_header(generation, payload, img.sb.hash_seed)
-             + payload)]
-
-
-def hostile_writes(img, wire):
-    """write_checkpoint's writes for ``wire`` on the image now; None when msgpack cannot
-    encode it or it does not fit a slot (the case is then skipped)."""
-    try:
-        return write_checkpoint(img, loaded_state(img), wire)
-    except (OverflowError, ValueError, TypeError):
-        return None
-
-
 def run_checkpoint_case(img, target, wire):
     count_case(target)
     writes = hostile_writes(img, wire)
@@ -370,9 +289,6 @@ def _load_tree(img):
         device.close()
 
 
-KEYS = ["next_ino", "inodes", "blocks", "free", "provisional", "pinned"]
-
-
 @FUZZ
 @given(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), msgpack_values, max_size=7))
 @example({"inodes": [[1]]})
@@ -381,73 +297,6 @@ KEYS = ["next_ino", "inodes", "blocks", "free", "provisional", "pinned"]
 @example({"next_ino": "x"})
 def test_checkpoint_random_maps(image, wire):
     run_checkpoint_case(image, "checkpoint-maps", wire)
-
-
-def real_wire(img):
-    """The image's newest checkpoint payload, as the msgpack map it is on the device."""
-    state = loaded_state(img)
-    off = (img.sb.checkpoint_a_off, img.sb.checkpoint_b_off)[state.active_slot]
-    _, length, _ = schema.decode_checkpoint_header(img.read(off, S), img.sb.checkpoint_len, img.sb.hash_seed)
-    return msgpack.unpackb(img.read(off + S, length), strict_map_key=False)
-
-
-EDITS = ["row-field", "dup-row", "drop-row", "dangling-entry", "cycle", "dir-hardlink", "block-field",
-         "overlap-blocks", "overlap-free", "free-field", "dup-block", "top-type", "provisional", "root-type"]
-hostile_ints = st.one_of(st.sampled_from([-1, -(1 << 63), 0, 1, 2, 15, 16, (1 << 63) - 1, (1 << 64) - 1]),
-                         st.integers(-1000, 1 << 40))
-
-
-def intact(dirs):
-    """The directory rows whose payload an earlier "row-field" edit left a [parent, [entries]] pair."""
-    return [r for r in dirs if len(r) > 9 and isinstance(r[9], list) and len(r[9]) == 2
-            and isinstance(r[9][1], list)]
-
-
-@st.composite
-def hostile_state(draw, wire):
-    wire = json.loads(json.dumps(wire, default=lambda b: {"__b": b.hex()}),
-                      object_hook=lambda o: bytes.fromhex(o["__b"]) if "__b" in o else o)
-    inodes, blocks, free = wire["inodes"], wire["blocks"], wire.setdefault("free", [])
-    dirs = [r for r in inodes if r[1] & 0o170000 == 0o040000]
-    files = [r for r in inodes if r[1] & 0o170000 == 0o100000]
-    for edit in draw(st.lists(st.sampled_from(EDITS), min_size=1, max_size=3)):
-        if edit == "row-field":
-            row = draw(st.sampled_from(inodes))
-            row[draw(st.integers(0, len(row) - 1))] = draw(hostile_ints | msgpack_values)
-        elif edit == "dup-row":
-            inodes.append(list(draw(st.sampled_from(inodes))))
-        elif edit == "drop-row":
-            inodes.remove(draw(st.sampled_from(inodes)))
-        elif edit == "dangling-entry" and intact(dirs):
-            draw(st.sampled_from(intact(dirs)))[9][1].append([b"ghost", draw(hostile_ints)])
-        elif edit == "cycle" and intact(dirs):
-            a, b = draw(st.sampled_from(intact(dirs))), draw(st.sampled_from(intact(dirs)))
-            b[9][1].append([b"loop", a[0]])
-            a[9][0] = b[0]
-        elif edit == "dir-hardlink" and intact(dirs):
-            draw(st.sampled_from(intact(dirs)))[9][1].append([b"again", draw(st.sampled_from(dirs))[0]])
-        elif edit == "block-field" and blocks:
-            row = draw(st.sampled_from(blocks))
-            row[draw(st.integers(0, 3))] = draw(hostile_ints | msgpack_values)
-        elif edit == "overlap-blocks" and len(blocks) > 1 and type(blocks[1][1]) is int:
-            blocks[0][1] = blocks[1][1] + draw(st.sampled_from([0, S, -S]))
-        elif edit == "overlap-free" and blocks and free:
-            free.append([blocks[0][1], draw(st.sampled_from([S, BS, 1 << 30]))])
-        elif edit == "free-field" and free:
-            ext = draw(st.sampled_from(free))
-            ext[draw(st.integers(0, 1))] = draw(hostile_ints)
-        elif edit == "dup-block" and blocks:
-            blocks.append(list(blocks[0]))
-        elif edit == "top-type":
-            wire[draw(st.sampled_from(KEYS))] = draw(msgpack_values)
-        elif edit == "provisional":
-            wire["provisional"] = draw(st.lists(hostile_ints | st.sampled_from([r[0] for r in files]), max_size=3))
-        elif edit == "root-type":
-            for root in (r for r in inodes if r[0] == ROOT_INO):
-                root[1] = draw(modes)
-        if not isinstance(wire.get("inodes"), list) or not inodes:
-            break
-    return wire
 
 
 @pytest.fixture(scope="module")

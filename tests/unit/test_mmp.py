@@ -22,7 +22,7 @@ from kvfs.errors import Busy, Fenced, FormatError
 from kvfs.store import BlockCheck, ExtentStore, MmpSettings, mmp
 from kvfs.store.loader import read_superblock
 
-from .helpers import mkfs, poke
+from .helpers import World, mkfs, mmp_settings, on_disk, poke
 
 SEED = 0x1234_5678_9ABC_DEF0
 
@@ -82,23 +82,6 @@ def test_long_text_is_cut_to_its_field():
 
 # -- claiming --------------------------------------------------------------------------------
 
-class World:
-    """Time that passes only when a probe or claim sleeps; ``during_sleep`` is what happens meanwhile."""
-
-    def __init__(self):
-        self.now = 0.0
-        self.slept = []
-        self.during_sleep = lambda: None
-
-    def sleep(self, seconds):
-        self.slept.append(seconds)
-        self.now += seconds
-        self.during_sleep()
-
-    def clock(self):
-        return self.now
-
-
 @pytest.fixture
 def store(tmp_path):
     path = mkfs(tmp_path)
@@ -107,18 +90,10 @@ def store(tmp_path):
     device.close()
 
 
-def settings(world, host="host-b", interval=0.25, **kw):
-    return MmpSettings(interval=interval, host_id=host, hostname=host, sleep=world.sleep, clock=world.clock, **kw)
-
-
-def on_disk(device, sb):
-    return mmp.read_record(device, sb)[1]
-
-
 def test_a_fresh_store_is_claimed_after_the_claim_wait_and_released_clean(store):
     device, sb = store
     world = World()
-    guard = mmp.claim(device, sb, settings(world, "host-a"))
+    guard = mmp.claim(device, sb, mmp_settings(world, "host-a"))
     assert sum(world.slept) == mmp.claim_wait(0.25)        # no watching: the sector was all zero
     mine = on_disk(device, sb)
     assert (mine.state, mine.host_id, mine.pid, mine.interval_ms) == (schema.MMP_IN_USE, "host-a", os.getpid(), 250)
@@ -128,17 +103,17 @@ def test_a_fresh_store_is_claimed_after_the_claim_wait_and_released_clean(store)
     released = on_disk(device, sb)
     assert released.state == schema.MMP_CLEAN and released.host_id == "host-a"
     world.slept.clear()
-    mmp.claim(device, sb, settings(world, "host-b"))      # clean: claimed without watching
+    mmp.claim(device, sb, mmp_settings(world, "host-b"))      # clean: claimed without watching
     assert sum(world.slept) == mmp.claim_wait(0.25)
 
 
 def test_a_live_owner_is_refused_by_name(store):
     device, sb = store
     world = World()
-    owner = mmp.claim(device, sb, settings(world, "host-a"))
+    owner = mmp.claim(device, sb, mmp_settings(world, "host-a"))
     world.during_sleep = owner.heartbeat_sync              # host-a keeps heartbeating
     with pytest.raises(Busy) as refused:
-        mmp.claim(device, sb, settings(world, "host-b"))
+        mmp.claim(device, sb, mmp_settings(world, "host-b"))
     text = str(refused.value)
     assert "host id host-a" in text and f"pid {os.getpid()}" in text and "--force" in text
     assert sum(world.slept) < mmp.grace_period(0.25) + mmp.claim_wait(0.25)   # refused at the first change
@@ -148,10 +123,10 @@ def test_a_live_owner_is_refused_by_name(store):
 def test_a_stopped_heartbeat_is_taken_over_after_the_grace_period(store, caplog):
     device, sb = store
     world = World()
-    mmp.claim(device, sb, settings(world, "host-a", interval=0.5))   # and then host-a dies
+    mmp.claim(device, sb, mmp_settings(world, "host-a", interval=0.5))   # and then host-a dies
     world.slept.clear()
     with caplog.at_level(logging.WARNING, "kvfs.store.mmp"):
-        guard = mmp.claim(device, sb, settings(world, "host-b"))
+        guard = mmp.claim(device, sb, mmp_settings(world, "host-b"))
     watched = sum(world.slept) - mmp.claim_wait(0.25)
     assert watched >= mmp.grace_period(0.5), "judged by the old owner's interval, not ours"
     assert sum(world.slept[-2:]) == mmp.claim_wait(0.25), "a dead owner need not see our claim"
@@ -163,10 +138,10 @@ def test_a_stopped_heartbeat_is_taken_over_after_the_grace_period(store, caplog)
 def test_force_takes_over_without_watching_and_the_old_owner_notices(store, caplog):
     device, sb = store
     world = World()
-    old = mmp.claim(device, sb, settings(world, "host-a", interval=1.0))
+    old = mmp.claim(device, sb, mmp_settings(world, "host-a", interval=1.0))
     world.slept.clear()
     with caplog.at_level(logging.WARNING, "kvfs.store.mmp"):
-        mmp.claim(device, sb, settings(world, "host-b", force=True))
+        mmp.claim(device, sb, mmp_settings(world, "host-b", force=True))
     assert sum(world.slept) == mmp.claim_wait(1.0), "force skips the watch, not the claim check"
     assert "force was given" in caplog.text
     with pytest.raises(Busy, match="another host took the store over.*host id host-b"):
@@ -179,10 +154,10 @@ def test_a_crash_on_this_host_is_taken_over_at_once(store):
     world = World()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    mmp.claim(device, sb, settings(world, "host-a"))
+    mmp.claim(device, sb, mmp_settings(world, "host-a"))
     poke_record(device, sb, on_disk(device, sb).replace(pid=dead.pid))
     world.slept.clear()
-    verdict = mmp.probe(device, sb, settings(world, "host-a"))
+    verdict = mmp.probe(device, sb, mmp_settings(world, "host-a"))
     assert verdict.how == "crashed here" and world.slept == []
     zombie = subprocess.Popen(["true"])          # exited, not yet reaped: as dead as a reaped one
     try:
@@ -194,7 +169,7 @@ def test_a_crash_on_this_host_is_taken_over_at_once(store):
         zombie.wait()
     assert mmp._pid_running(os.getpid())
     # The same record seen from another host: its pid means nothing there, so it is watched.
-    assert mmp.probe(device, sb, settings(world, "host-b")).how == "stale"
+    assert mmp.probe(device, sb, mmp_settings(world, "host-b")).how == "stale"
     assert sum(world.slept) >= mmp.grace_period(0.25)
 
 
@@ -205,18 +180,18 @@ def poke_record(device, sb, rec):
 def test_a_simultaneous_claim_is_refused(store):
     device, sb = store
     world = World()
-    rival = settings(World(), "host-a")
+    rival = mmp_settings(World(), "host-a")
     world.during_sleep = lambda: poke_record(device, sb, mmp._new_record(rival))   # lands during our wait
     with pytest.raises(Busy, match="claimed the store at the same time.*host id host-a"):
-        mmp.claim(device, sb, settings(world, "host-b"))
+        mmp.claim(device, sb, mmp_settings(world, "host-b"))
 
 
 def test_an_owner_that_unmounts_while_we_watch_frees_the_store(store):
     device, sb = store
     world = World()
-    owner = mmp.claim(device, sb, settings(world, "host-a"))
+    owner = mmp.claim(device, sb, mmp_settings(world, "host-a"))
     world.during_sleep = owner.release_sync
-    assert mmp.probe(device, sb, settings(world, "host-b")).how == "free"
+    assert mmp.probe(device, sb, mmp_settings(world, "host-b")).how == "free"
 
 
 def test_a_damaged_record_is_an_unknown_owner_watched_then_taken_over(store, caplog):
@@ -224,7 +199,7 @@ def test_a_damaged_record_is_an_unknown_owner_watched_then_taken_over(store, cap
     world = World()
     device.pwrite_sync(sb.mmp_off, b"\x5a" * schema.SECTOR)
     with caplog.at_level(logging.WARNING, "kvfs.store.mmp"):
-        mmp.claim(device, sb, settings(world, "host-b"))
+        mmp.claim(device, sb, mmp_settings(world, "host-b"))
     assert sum(world.slept) >= mmp.grace_period(mmp.DEFAULT_INTERVAL)
     assert "an unknown owner (MMP sector holds no MMP record (bad magic))" in caplog.text
     assert on_disk(device, sb).host_id == "host-b"
@@ -233,8 +208,8 @@ def test_a_damaged_record_is_an_unknown_owner_watched_then_taken_over(store, cap
 def test_a_probe_that_saw_the_record_go_stale_spares_the_claim_a_second_watch(store):
     device, sb = store
     world = World()
-    mmp.claim(device, sb, settings(world, "host-a"))
-    mine = settings(world, "host-b")
+    mmp.claim(device, sb, mmp_settings(world, "host-a"))
+    mine = mmp_settings(world, "host-b")
     assert mmp.probe(device, sb, mine).how == "stale"      # mount.kvfs, before it forks the daemon
     world.slept.clear()
     mmp.claim(device, sb, mine)                             # the daemon: the same bytes, no new watch
