@@ -59,7 +59,7 @@ class NamespaceStatistics:
     checkpoint_rows_saved_on_loop: int   # inode rows saved on the loop because a change came first
 
 
-class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
+class Namespace(Durability, KernelPages):
     def __init__(self, cache: CachePort, journal, *, now=time.time_ns, eviction_policy="s3fifo",
                  high_watermark=0.9, low_watermark=0.8):
         self.cache, self.journal = cache, journal
@@ -70,6 +70,8 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
                                low_watermark=low_watermark)
         self.admin = Admin(self, self.evictor)
         self._unsealed = {}            # ino -> inode: every content_dirty file (durability.py)
+        self.truncation = TruncationWindow(cache)
+        self.idle = IdleFiles(self.tree, journal, cache, self._unsealed)
         self.handles, self._next_fh, self._nursery = {}, 1, None
         self._durability_lock = trio.Lock()
         self._cut_limiter = trio.CapacityLimiter(1)       # a checkpoint's rows, off the event loop
@@ -333,9 +335,9 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         if size is not None:
             if not inode.is_file:
                 raise IsADirectory() if inode.is_dir else InvalidArgument()
-            self._old_content_done(inode)
-            with self.holding(inode):
-                await self._with_space(lambda: self.cache.truncate(self.live_data(inode), size))
+            self.truncation.old_content_done(inode)
+            with self.idle.holding(inode):
+                await self._with_space(lambda: self.cache.truncate(self.idle.live_data(inode), size))
                 self._content_changed(inode, now)
             if not inode.writers:
                 self._schedule_seal(inode)
@@ -372,7 +374,7 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             # The inode number names this one content for the life of the mount,
             # so whatever the kernel has cached for it is always right.
             return fh, False, True
-        self.live_data(inode)
+        self.idle.live_data(inode)
         direct_io, page_writer, keep = self._page_cache_mode(inode, flags, writable)
         self.handles[fh] = Handle(inode, writable, kill_suid=writable and direct_io and not privileged,
                                   page_writer=page_writer, o_direct=bool(flags & os.O_DIRECT))
@@ -384,8 +386,10 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         if flags & os.O_TRUNC:
             # Linux truncates on O_RDONLY|O_TRUNC too (the kernel checked write
             # permission); with atomic_o_trunc it leaves that to the filesystem.
-            self._keep_old_content(inode, fh)
-            self._truncate_now(inode)
+            self.truncation.keep_old_content(inode, fh)
+            if inode.data.size or inode.data.blocks:   # emptied: truncating to zero never awaits
+                self.cache.release(inode.data)
+                self._content_changed(inode, self.now())
             if not writable:
                 self._schedule_seal(inode)
         if direct_io:
@@ -409,10 +413,12 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             raise BadDescriptor() from None
 
     async def read(self, fh, off, size):
-        reads = self._page_cache_read(self.handle(fh))
+        h = self.handle(fh)
+        reads = self._page_cache_read(h)
+        source = self.truncation.read_source(h.inode, fh)
         if reads is None:
-            return await self.cache.read(self._read_source(fh), off, size)
-        return await self._read_under_page_writers(reads, self._read_source(fh), off, size)
+            return await self.cache.read(source, off, size)
+        return await self._read_under_page_writers(reads, source, off, size)
 
     async def write(self, fh, off, data):
         h = self.handle(fh)
@@ -425,7 +431,7 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
             kill = inode.mode & stat.S_ISUID | (inode.mode & stat.S_ISGID if inode.mode & stat.S_IXGRP else 0)
             if kill:
                 await self.setattr(inode.ino, mode=inode.mode & ~kill)
-        self._old_content_done(inode)
+        self.truncation.old_content_done(inode)
         self._page_cache_written(h)
         new_blocks = -(-(off + len(data)) // self.block_size) - len(inode.data.blocks)
         if new_blocks > 0:
@@ -443,18 +449,18 @@ class Namespace(Durability, KernelPages, TruncationWindow, IdleFiles):
         if h.view:
             self.view.maybe_drop(inode)
             return
-        self._old_content_done(inode, fh)
+        self.truncation.old_content_done(inode, fh)
         self._page_cache_closed(h)
         if h.writable:
             inode.writers -= 1
             if inode.writers == 0:
                 self._schedule_seal(inode)
         self.tree.maybe_destroy(inode)
-        self.shed_if_idle(inode)
+        self.idle.shed_if_idle(inode)
 
     async def fsync(self, fh):
         h = self.handle(fh)
-        self._old_content_done(h.inode, fh)
+        self.truncation.old_content_done(h.inode, fh)
         await self.seal(h.inode, force=True)
         await self.commit()
 

@@ -174,7 +174,7 @@ class Durability:
         With ``force`` (fsync, flush) the content is recorded even while writers
         keep the file open.
         """
-        with self.holding(inode):      # a concurrent seal must not drop the live content (idle.py)
+        with self.idle.holding(inode):      # a concurrent seal must not drop the live content (idle.py)
             while inode.content_dirty and inode.ino in self.tree.inodes:
                 if inode.writers and not force:
                     return

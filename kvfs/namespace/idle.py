@@ -24,10 +24,21 @@ gets EIO once a later content freed them; never other bytes.
 import contextlib
 
 from ..blockcache import FileData
+from ..schema.port import JournalPort
 
 
 class IdleFiles:
-    """Mixed into :class:`kvfs.namespace.Namespace`: building and dropping idle files' live content."""
+    """Building and dropping the live content of the files of ``tree`` for the namespace.
+
+    ``unsealed`` is the namespace's table of files whose content is not yet
+    recorded (ino -> inode, durability.py): such a file is never idle.
+    """
+
+    journal: JournalPort        # the dedup domain of a file's owner
+
+    def __init__(self, tree, journal: JournalPort, cache, unsealed):
+        self.tree, self.journal, self.cache = tree, journal, cache
+        self.unsealed = unsealed
 
     def live_data(self, inode):
         """``inode``'s FileData, built from its durable content if it is idle."""
@@ -49,7 +60,7 @@ class IdleFiles:
         data = inode.data
         if (data is None or not inode.is_file or inode.opens or inode.writers or inode.content_dirty
                 or inode.data_holds or inode.provisional or inode.page_writers or inode.pre_truncate is not None
-                or inode.ino in self._unsealed or inode.ino not in self.tree.inodes
+                or inode.ino in self.unsealed or inode.ino not in self.tree.inodes
                 or data.dirty_count or data.failed or data.size != inode.size_committed):
             return False
         if not idle_keys_match(data, inode.committed):

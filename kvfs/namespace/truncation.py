@@ -24,34 +24,34 @@ one the kernel could have made before the truncation.
 
 
 class TruncationWindow:
-    """Mixed into :class:`~kvfs.namespace.Namespace` (``cache``, ``handles``, ``handle``, ``now``)."""
+    """The O_TRUNC windows of the namespace's files, kept in the blocks of ``cache``.
 
-    def _keep_old_content(self, inode, fh):
+    A file's window is ``inode.pre_truncate``: (a snapshot of its old content,
+    the truncating fh) while it is open, else None. The namespace empties the
+    file itself, right after :meth:`keep_old_content`.
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def keep_old_content(self, inode, fh):
         """Called by an O_TRUNC open (``fh``) before it empties ``inode``."""
-        self._old_content_done(inode)
+        self.old_content_done(inode)
         others = inode.opens > 1                 # this open is already counted
         if others and (inode.data.size or inode.data.blocks):
             inode.pre_truncate = (self.cache.snapshot(inode.data), fh)
 
-    def _truncate_now(self, inode):
-        """Empty an open file (O_TRUNC): truncating to zero needs no old bytes, so this never awaits."""
-        if inode.data.size or inode.data.blocks:
-            self.cache.release(inode.data)
-            self._content_changed(inode, self.now())
-
-    def _read_source(self, fh):
-        """The FileData a read through ``fh`` is answered from."""
-        h = self.handle(fh)
-        inode = h.inode
+    def read_source(self, inode, fh):
+        """The FileData a read of ``inode`` through ``fh`` is answered from."""
         if inode.pre_truncate is None:
             return inode.data
         snapshot, truncating = inode.pre_truncate
         if fh == truncating:
-            self._old_content_done(inode)
+            self.old_content_done(inode)
             return inode.data
         return snapshot
 
-    def _old_content_done(self, inode, fh=None):
+    def old_content_done(self, inode, fh=None):
         """The kernel knows of the truncation (a request on ``fh``, the truncating
         descriptor) or the content changes again (``fh`` None): drop the snapshot."""
         held = inode.pre_truncate
