@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -70,17 +71,39 @@ def test_stats_all_lists_every_counter_and_json_is_the_full_dict(small):
 
 def test_stats_watch_reports_the_bandwidth_of_each_interval(small):
     fs = small
-    proc = subprocess.Popen([sys.executable, "-m", "kvfs.cli.admin", "stats", "--watch", "1", "--count", "3",
+    # The test reads reports until the burst is in them, then presses Ctrl-C; --count bounds
+    # how long it can wait for them.
+    proc = subprocess.Popen([sys.executable, "-m", "kvfs.cli.admin", "stats", "--watch", "1", "--count", "90",
                              "--json", str(fs.mnt)], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    time.sleep(1.2)
-    (fs.mnt / "burst").write_bytes(os.urandom(24 * MiB))
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    reports = [json.loads(line) for line in out.splitlines()]
-    assert len(reports) == 3
-    written = sum(r["interval"]["write"] * r["interval"]["window_s"] for r in reports)
-    assert written == pytest.approx(24 * MiB, rel=0.01)
-    assert all(0.9 < r["interval"]["window_s"] < 3 for r in reports)
+    reports = []
+    try:
+        def next_report():
+            line = proc.stdout.readline()
+            assert line, f"stats --watch ended before the burst was reported: {reports}"
+            reports.append(json.loads(line))
+
+        next_report()                                       # watching: the burst comes after this sample
+        (fs.mnt / "burst").write_bytes(os.urandom(24 * MiB))
+        burst = 24 * MiB
+
+        def written():
+            return sum(r["interval"]["write"] * r["interval"]["window_s"] for r in reports[1:])
+        while written() < burst * 0.99:
+            next_report()
+        proc.send_signal(signal.SIGINT)                     # Ctrl-C ends --watch quietly
+        proc.stdout.read()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    # Each report's rate is its interval's bytes over its window, and the intervals add up.
+    assert written() == pytest.approx(burst, rel=0.01)
+    for before, r in zip(reports, reports[1:]):
+        assert r["interval"]["write"] * r["interval"]["window_s"] == pytest.approx(
+            r["bytes_written"] - before["bytes_written"], rel=1e-6, abs=1)
+    assert all(r["interval"]["window_s"] >= 1 for r in reports), reports     # never shorter than --watch
 
 
 def test_top_prints_rows_when_not_a_terminal(small):
