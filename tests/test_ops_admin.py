@@ -163,10 +163,15 @@ def test_top_in_tmux_refreshes_and_quits_on_ctrl_c(small, tmp_path):
         while "kvfs top" not in screen() and time.monotonic() < deadline:
             time.sleep(0.2)
         (small.mnt / "x").write_bytes(os.urandom(8 * MiB))
-        time.sleep(1.0)
+
+        def rows(text):                                 # rows of rates
+            return [line for line in text.splitlines() if line[:2].isdigit()]
+        deadline = time.monotonic() + 60
+        while len(rows(screen())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         shown = screen()
         assert f"kvfs top  {small.mnt}" in shown and "dev wr/s" in shown, shown
-        assert len([l for l in shown.splitlines() if l[:2].isdigit()]) >= 2, shown     # rows of rates
+        assert len(rows(shown)) >= 2, shown
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
         deadline = time.monotonic() + 10
         while "EXITED=" not in screen() and time.monotonic() < deadline:
