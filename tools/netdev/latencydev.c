@@ -19,6 +19,11 @@
  * request has been answered (from then on it serves requests).  Exits 0
  * when the filesystem is unmounted (umount, fusermount3 -u) or on SIGTERM,
  * SIGINT or SIGHUP (then it unmounts itself).
+ *
+ * On SIGUSR1 it prints what it served since the last SIGUSR1 (or the start):
+ *   "stats reads=N writes=N read_bytes=N written_bytes=N max_in_flight=N"
+ * where max_in_flight is the most reads and writes it had in hand at once
+ * (waiting their latency side by side).  The tests use it to see overlap.
  */
 #define FUSE_USE_VERSION 312
 #define _GNU_SOURCE
@@ -27,6 +32,8 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +53,50 @@ static unsigned char *ram;         /* the namespace's contents */
 static off_t dev_size;
 static long long latency_ns;
 static struct timespec start_time;
+
+/* What SIGUSR1 reports; counted with atomics, from every serving thread. */
+static unsigned long long n_reads, n_writes, read_bytes, written_bytes;
+static long long in_flight, max_in_flight;
+
+static void request_begins(void)
+{
+	long long now = __atomic_add_fetch(&in_flight, 1, __ATOMIC_SEQ_CST);
+	long long seen = __atomic_load_n(&max_in_flight, __ATOMIC_SEQ_CST);
+
+	while (now > seen &&
+	       !__atomic_compare_exchange_n(&max_in_flight, &seen, now, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+		;
+}
+
+/* Called just before the reply: a request its caller has seen answered is counted. */
+static void request_ends(unsigned long long *count, unsigned long long *bytes, size_t size)
+{
+	__atomic_add_fetch(count, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(bytes, size, __ATOMIC_SEQ_CST);
+	__atomic_sub_fetch(&in_flight, 1, __ATOMIC_SEQ_CST);
+}
+
+/* A thread of its own that takes SIGUSR1 (blocked in every other thread),
+ * prints the counters and starts them again from zero. */
+static void *stats_thread(void *arg)
+{
+	sigset_t *usr1 = arg;
+	int sig;
+
+	for (;;) {
+		if (sigwait(usr1, &sig) != 0)
+			continue;
+		printf("stats reads=%llu writes=%llu read_bytes=%llu written_bytes=%llu max_in_flight=%lld\n",
+		       __atomic_exchange_n(&n_reads, 0, __ATOMIC_SEQ_CST),
+		       __atomic_exchange_n(&n_writes, 0, __ATOMIC_SEQ_CST),
+		       __atomic_exchange_n(&read_bytes, 0, __ATOMIC_SEQ_CST),
+		       __atomic_exchange_n(&written_bytes, 0, __ATOMIC_SEQ_CST),
+		       __atomic_exchange_n(&max_in_flight, __atomic_load_n(&in_flight, __ATOMIC_SEQ_CST),
+					   __ATOMIC_SEQ_CST));
+		fflush(stdout);
+	}
+	return NULL;
+}
 
 static void wait_latency(void)
 {
@@ -174,14 +225,14 @@ static void ld_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 		fuse_reply_err(req, EISDIR);
 		return;
 	}
+	request_begins();
 	wait_latency();
-	if (off >= dev_size) {
-		fuse_reply_buf(req, NULL, 0);
-		return;
-	}
-	if ((off_t)size > dev_size - off)
+	if (off >= dev_size)
+		size = 0;
+	else if ((off_t)size > dev_size - off)
 		size = dev_size - off;
-	fuse_reply_buf(req, (const char *)ram + off, size);
+	request_ends(&n_reads, &read_bytes, size);
+	fuse_reply_buf(req, size ? (const char *)ram + off : NULL, size);
 }
 
 static void ld_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size,
@@ -192,14 +243,17 @@ static void ld_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
 		fuse_reply_err(req, EISDIR);
 		return;
 	}
+	request_begins();
 	wait_latency();
 	if (off >= dev_size) {
+		request_ends(&n_writes, &written_bytes, 0);
 		fuse_reply_err(req, ENOSPC);
 		return;
 	}
 	if ((off_t)size > dev_size - off)
 		size = dev_size - off;
 	memcpy(ram + off, buf, size);
+	request_ends(&n_writes, &written_bytes, size);
 	fuse_reply_write(req, size);
 }
 
@@ -290,7 +344,8 @@ static void usage(FILE *out)
 {
 	fprintf(out, "usage: latencydev --size BYTES[KMGT] --latency-us N [--threads N] [--prefault] MOUNTPOINT\n"
 		"Serves one RAM file, MOUNTPOINT/" FILE_NAME ", answering every read and write\n"
-		"after N microseconds.  Unmount (or SIGTERM) to stop it.\n");
+		"after N microseconds.  Unmount (or SIGTERM) to stop it; SIGUSR1 prints what\n"
+		"it served since the last SIGUSR1 (reads, writes, bytes, most requests in flight).\n");
 }
 
 int main(int argc, char *argv[])
@@ -307,6 +362,8 @@ int main(int argc, char *argv[])
 	struct fuse_args args = FUSE_ARGS_INIT(3, fuse_argv);
 	struct fuse_loop_config *config;
 	struct fuse_session *se;
+	static sigset_t usr1;
+	pthread_t stats;
 	const char *mountpoint;
 	long long size = -1, latency_us = -1, threads = 256;
 	int opt, ret = 1, prefault = 0;
@@ -341,6 +398,16 @@ int main(int argc, char *argv[])
 	madvise(ram, size, MADV_HUGEPAGE);   /* fewer page faults; fine if refused */
 	if (prefault)
 		memset(ram, 0, size);        /* fault every page in now, not on first write */
+
+	/* SIGUSR1 goes to the stats thread only: blocked here, before any thread starts. */
+	sigemptyset(&usr1);
+	sigaddset(&usr1, SIGUSR1);
+	if (pthread_sigmask(SIG_BLOCK, &usr1, NULL) != 0 ||
+	    pthread_create(&stats, NULL, stats_thread, &usr1) != 0) {
+		fprintf(stderr, "latencydev: cannot start the stats thread\n");
+		goto out_free;
+	}
+	pthread_detach(stats);
 
 	se = fuse_session_new(&args, &ops, sizeof(ops), NULL);
 	if (se == NULL)
