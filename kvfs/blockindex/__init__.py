@@ -32,24 +32,26 @@ The namespace holds it directly as its journal port (kvfs/schema/port.py):
 records, commits and checkpoints pass on to the store, references and space
 are answered here.
 """
+from __future__ import annotations
+
 import dataclasses
 import hashlib
 import logging
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import trio
 import xxhash
 
 from .. import schema
-from ..base.aligned import SECTOR, align_up
+from ..base.aligned import SECTOR, Buffer, WritableBuffer, align_up
 from ..base.crashpoints import crashpoint
 from ..base.gcpolicy import release_off_loop
 from ..base.sharedints import shared
 from ..errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpace, SpaceAwaitsCommit
-from ..store import BlockCheck
+from ..store.port import BlockCheck, StoreCut, StorePort
 from .cut import IndexCut
 from .domains import DedupDomains
-from .runs import RUN_WINDOW_BLOCKS, run_position
+from .runs import RUN_WINDOW_BLOCKS, RunHint, run_position
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class BlockEntry:
     # object stays in the same 80-byte allocator size class.
     __slots__ = ("off", "length", "refs", "pins", "domain", "key")
 
-    def __init__(self, off, length, refs=0, pins=0, domain=0, key=None):
+    def __init__(self, off: int, length: int, refs: int = 0, pins: int = 0, domain: int = 0, key: bytes | None = None) -> None:
         self.off, self.length, self.refs, self.pins = off, length, refs, pins
         self.domain, self.key = domain, key
 
@@ -80,7 +82,8 @@ class IndexStatistics:
 
 
 class BlockIndex:
-    def __init__(self, store, hash_limiter=None, *, dedup_groups=None, dedup_verify=False):
+    def __init__(self, store: StorePort, hash_limiter: trio.CapacityLimiter | None = None, *,
+                 dedup_groups: Any = None, dedup_verify: bool = False) -> None:
         self.store = store
         self.domains = DedupDomains(store.key_secret, dedup_groups)
         self.dedup_verify = dedup_verify
@@ -101,26 +104,26 @@ class BlockIndex:
         self._cut = None            # an IndexCut while a checkpoint builds its rows
 
     # -- keys -------------------------------------------------------------
-    def key_of(self, data, domain=0):
+    def key_of(self, data: Buffer, domain: int = 0) -> bytes:
         h = self._key_base.copy()
         if domain:
             h.update(domain.to_bytes(8, "little"))
         h.update(data)
         return h.digest()
 
-    async def hash(self, data, domain=0):
+    async def hash(self, data: Buffer, domain: int = 0) -> bytes:
         return await trio.to_thread.run_sync(self.key_of, data, domain, limiter=self.hash_limiter)
 
-    def domain_of(self, uid):
+    def domain_of(self, uid: int) -> int:
         """The dedup domain of files owned by ``uid``."""
         return self.domains.of(uid)
 
-    def public_id(self, key):
+    def public_id(self, key: bytes) -> bytes:
         """What users see of an internal key: keyed BLAKE2b-128, not invertible without the secret."""
         return hashlib.blake2b(key, key=self._public_key, digest_size=16, person=b"kvfs public id").digest()
 
     # -- state ------------------------------------------------------------
-    def load(self, blocks, *, consume=False):
+    def load(self, blocks: list[schema.BlockRow | None], *, consume: bool = False) -> None:
         """Enter the checkpoint's BlockRows (dropped from ``blocks`` as they go with ``consume``)."""
         # msgpack decodes every length and domain into an int object of its own:
         # most blocks have one of a few of each (kvfs/base/sharedints.py). A million
@@ -145,7 +148,7 @@ class BlockIndex:
                 blocks[i] = None
         self.used_bytes += used
 
-    def snapshot(self):
+    def snapshot(self) -> tuple[list[schema.BlockRow], list[tuple[int, int]]]:
         """(BlockRows named by durable contents, extents only RAM knows about), synchronously.
 
         Extents held only by pins or writes in flight are free as far as the
@@ -161,20 +164,20 @@ class BlockIndex:
     async def commit(self) -> None:
         await self.store.commit()
 
-    def cut(self):
+    def cut(self) -> tuple[IndexCut, StoreCut]:
         """Cut the index and the store at this instant, for a checkpoint (see IndexCut)."""
         assert self._cut is None, "one checkpoint at a time"
         self._cut = IndexCut(self)
         return self._cut, self.store.cut()
 
-    def list_cut(self, cuts):
+    def list_cut(self, cuts: tuple[IndexCut, StoreCut]) -> None:
         """On the loop, in a later step than ``cut``: list the entries (see IndexCut)."""
         cuts[0].list_entries()
 
-    def end_cut(self):
+    def end_cut(self) -> None:
         self._cut = None
 
-    async def write_checkpoint(self, cuts, writer):
+    async def write_checkpoint(self, cuts: tuple[IndexCut, StoreCut], writer: schema.CheckpointWriter) -> None:
         """Add the cut's blocks to ``writer`` (in a worker thread), after the namespace's part, and write it."""
         index_cut, store_cut = cuts
         try:
@@ -194,7 +197,7 @@ class BlockIndex:
     def journal_fill(self) -> float:
         return self.store.journal_fill
 
-    def rows(self):
+    def rows(self) -> list[schema.BlockRow]:
         """Every entry as a BlockRow (fsck)."""
         return [schema.BlockRow(key, e.off, e.length, e.refs, e.domain) for key, e in self.entries.items()]
 
@@ -205,24 +208,24 @@ class BlockIndex:
         """Whether a block is stored under ``key`` (it may be freed meanwhile: ask again after an await)."""
         return key in self.entries
 
-    def extent(self, key):
+    def extent(self, key: bytes) -> tuple[int, int]:
         e = self.entries[key]
         return e.off, e.length
 
-    def stored_keys(self, keys):
+    def stored_keys(self, keys: Iterable[bytes | None]) -> list[bytes | None]:
         """The index's own object for each key (equal to it); None for None and for a key no block has.
 
         One call a file: mount asks it for every file's block list."""
         get = self.entries.get
         return [None if (entry := get(key)) is None else entry.key for key in keys]
 
-    def block_ref(self, key):
+    def block_ref(self, key: bytes) -> schema.BlockRef:
         """What a content record says about a stored block."""
         e = self.entries[key]
         return schema.BlockRef(key, e.off, e.length, e.domain)
 
     # -- references -------------------------------------------------------
-    def add_ref(self, key, off, length, domain=0):
+    def add_ref(self, key: bytes, off: int, length: int, domain: int = 0) -> None:
         """A content record names ``key`` at ``off``; during replay this allocates it."""
         e = self.entries.get(key)
         if e is None:
@@ -237,17 +240,17 @@ class BlockIndex:
             self._cut.preserve(key, e)
         e.refs += 1
 
-    def drop_ref(self, key):
+    def drop_ref(self, key: bytes) -> None:
         e = self.entries[key]
         if self._cut is not None:
             self._cut.preserve(key, e)
         e.refs -= 1
         self._maybe_free(key, e)
 
-    def pin(self, key):
+    def pin(self, key: bytes) -> None:
         self.entries[key].pins += 1
 
-    def unpin(self, key):
+    def unpin(self, key: bytes) -> None:
         e = self.entries[key]
         e.pins -= 1
         self._maybe_free(key, e)
@@ -261,10 +264,10 @@ class BlockIndex:
             self.store.free(e.off, e.length)
 
     # -- space --------------------------------------------------------------
-    def capacity_bytes(self):
+    def capacity_bytes(self) -> int:
         return self.store.capacity_bytes
 
-    def available_bytes(self):
+    def available_bytes(self) -> int:
         """Bytes that new blocks can still be given: whole free block slots, less reservations.
 
         Counted in slots rather than free bytes because a block needs one
@@ -274,7 +277,7 @@ class BlockIndex:
         """
         return self.store.free_slots() * self.block_size - self.reserved_bytes
 
-    async def reserve(self, nbytes):
+    async def reserve(self, nbytes: int) -> None:
         """Promise space to a dirty block, so the writer gets ENOSPC, not a lost flush.
 
         When frees waiting for a journal commit would make room, this says so
@@ -288,11 +291,11 @@ class BlockIndex:
             raise NoSpace("no space left on the kvfs device")
         self.reserved_bytes += nbytes
 
-    def unreserve(self, nbytes):
+    def unreserve(self, nbytes: int) -> None:
         self.reserved_bytes -= nbytes
 
     # -- data ---------------------------------------------------------------
-    async def store_block(self, data, source=None, domain=0):
+    async def store_block(self, data: Buffer, source: WritableBuffer | None = None, domain: int = 0) -> bytes:
         """Make ``data`` a stored block of dedup ``domain`` and pin it; write it only if it is new.
 
         ``source``, if given, is a page-aligned buffer that starts with ``data``
@@ -300,7 +303,8 @@ class BlockIndex:
         """
         return await self._store_keyed(await self.hash(data, domain), data, source, domain)
 
-    async def store_blocks(self, blocks, hints=None):
+    async def store_blocks(self, blocks: Sequence[tuple[Buffer, WritableBuffer | None, int]],
+                           hints: Sequence[RunHint | None] | None = None) -> list[bytes | KvfsError]:
         """:meth:`store_block` for each (data, source, domain), with one hashing hand-off and one
         device call for all the new ones: per block, its key or the KvfsError it failed with.
 
@@ -386,7 +390,7 @@ class BlockIndex:
         self._enter_written(key, off, len(data), domain)
         return key
 
-    def extent_off(self, key):
+    def extent_off(self, key: bytes) -> int | None:
         """Where stored block ``key`` lies on the device (None if it is not stored): what the
         placement of the blocks beside it in its file goes by (:meth:`store_blocks`)."""
         e = self.entries.get(key)
@@ -444,14 +448,14 @@ class BlockIndex:
         log.error("block %s at device offset %d fails its checksum: returning EIO", key.hex(), off)
         return CorruptBlock(f"block {key.hex()} at offset {off} is corrupt")
 
-    def read_verified_sync(self, key, off, length, buf=None, domain=0):
+    def read_verified_sync(self, key: bytes, off: int, length: int, buf: WritableBuffer | None = None, domain: int = 0) -> memoryview:
         """Read one extent and check it against ``key`` (in a thread, for fsck); CorruptBlock if it fails."""
         data = self.store.read_verified_sync(off, self._check(key, length, domain), buf, self._key_base)
         if data is None:
             raise self._failed_check(key, off)
         return data
 
-    async def read_block(self, key, buf=None):
+    async def read_block(self, key: bytes, buf: WritableBuffer | None = None) -> memoryview:
         """Read and verify one block; a mismatch raises CorruptBlock (EIO), never bad bytes.
 
         Returns a read-only memoryview (see Device.read_block_sync), filled
@@ -463,7 +467,7 @@ class BlockIndex:
             raise self._failed_check(key, e.off)
         return data
 
-    def adjacent_runs(self, keys, most):
+    def adjacent_runs(self, keys: Iterable[bytes], most: int) -> list[list[bytes]]:
         """``keys`` (stored, distinct) grouped into runs of at most ``most`` whose extents
         follow each other on the device, in device order: each run is one device read."""
         placed = sorted((self.entries[k].off, k) for k in keys if k in self.entries)
@@ -476,7 +480,7 @@ class BlockIndex:
             end = off + align_up(self.entries[key].length)
         return runs
 
-    async def read_run(self, run, bufs):
+    async def read_run(self, run: Sequence[bytes], bufs: Sequence[WritableBuffer | None]) -> list[memoryview | CorruptBlock]:
         """Read and verify a run from :meth:`adjacent_runs` with one hand-off to a device thread.
 
         The extents are looked up here, on the event loop, before the hand-off.
@@ -489,7 +493,7 @@ class BlockIndex:
         return [view if view is not None else self._failed_check(key, e.off)
                 for key, e, view in zip(run, entries, views)]
 
-    def statistics(self):
+    def statistics(self) -> IndexStatistics:
         return IndexStatistics(len(self.entries), self.used_bytes, self._blocks_written,
                                self._data_bytes_written, self._dedup_hits, self._corrupt_reads,
                                self.reserved_bytes, self._dedup_verify_reads, self._dedup_collisions)

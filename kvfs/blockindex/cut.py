@@ -24,13 +24,16 @@ refs: either they dropped after the cut (``drop_ref`` saved them first) or it
 had none at the cut. A later entry under that key saves its refs before its
 first change, when it has none: 0 either way, the cut's value.
 """
+from __future__ import annotations
+
 import itertools
+from typing import Any
 
 from .. import schema
 
 
 class IndexCut:
-    def __init__(self, index):
+    def __init__(self, index: Any) -> None:          # the BlockIndex (importing it would be a cycle)
         self.entries = None         # list_entries() fills it, a loop step later
         self.gone = []              # entries of the cut that left the index before that
         self._made = {}             # key -> entry made after the cut, before the list
@@ -38,23 +41,23 @@ class IndexCut:
         self.writing = [(off, n) for _, off, n in index._writing.values()]
         self._refs = {}
 
-    def list_entries(self):
+    def list_entries(self) -> None:
         """On the loop, in a later step than the cut: list the index's entry objects."""
         if self.entries is None:
             self.entries = list(self._live.values())
 
     # -- called by the index, on the loop -----------------------------------------
-    def preserve(self, key, entry):
+    def preserve(self, key: bytes, entry: Any) -> None:
         """Before ``entry``'s refs change."""
         if key not in self._refs:
             self._refs[key] = entry.refs
 
-    def made(self, key, entry):
+    def made(self, key: bytes, entry: Any) -> None:
         """A new entry under ``key``: not the cut's."""
         if self.entries is None:
             self._made[key] = entry
 
-    def forget(self, key, entry):
+    def forget(self, key: bytes, entry: Any) -> None:
         """``entry`` leaves the index: keep it for the cut if the list is not taken yet."""
         if self.entries is None:
             if self._made.get(key) is entry:
@@ -63,13 +66,13 @@ class IndexCut:
                 self.gone.append(entry)
 
     # -- in a worker thread ---------------------------------------------------------
-    def build(self):
+    def build(self) -> tuple[list[schema.BlockRow], list[tuple[int, int]]]:
         """(BlockRows of the cut, extents only RAM knew about at the cut: free for the checkpoint)."""
         self.list_entries()
         transient = list(self.writing)
         return list(self._rows(transient)), transient
 
-    def write(self, writer):
+    def write(self, writer: schema.CheckpointWriter) -> list[tuple[int, int]]:
         """Write the cut's BlockRows into ``writer`` (a schema.CheckpointWriter) as they are made;
         returns the extents only RAM knew about at the cut."""
         assert self.entries is not None, "list_entries() first, on the loop"

@@ -3,6 +3,8 @@
 Split out of kvfs/blockindex/__init__.py, which keys every block with its domain; see
 that module's doc for why tenants get domains of their own.
 """
+from __future__ import annotations
+
 import hashlib
 
 from ..errors import InvalidArgument
@@ -18,13 +20,13 @@ class DedupDomains:
     Domain 0 (no domain) is what format version 1 stores use; they have no secret.
     """
 
-    def __init__(self, secret, groups=None):
+    def __init__(self, secret: bytes, groups: str | list[frozenset[int]] | None = None) -> None:
         self._secret = secret
         self._groups = groups
         self._of_uid = {}
 
     @staticmethod
-    def parse(text):
+    def parse(text: str | None) -> str | list[frozenset[int]] | None:
         """``dedup_groups=`` mount option: "all", or uid groups like "1000+1001:2000+2001"
         (``+`` joins the uids of a group, ``:`` separates groups; a comma would end the option)."""
         if text in (None, "", "none"):
@@ -43,7 +45,7 @@ class DedupDomains:
             groups.append(uids)
         return groups
 
-    def of(self, uid):
+    def of(self, uid: int) -> int:
         if not self._secret:
             return 0
         domain = self._of_uid.get(uid)

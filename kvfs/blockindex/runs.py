@@ -16,6 +16,9 @@ neighbours still hashing (``lead``). Everything here is a preference
 (kvfs/store/allocator.py, "Runs"): a spot that is taken means a new run, never a
 failed write.
 """
+from __future__ import annotations
+
+from typing import Sequence
 
 # Room for a run's blocks from its first (whole blocks). A chunk flushed beside
 # others lies in runs of eight, and PREFETCH_RUN_BLOCKS of a run are one device
@@ -29,7 +32,7 @@ class Placement:
 
     __slots__ = ("at",)
 
-    def __init__(self, at=None):
+    def __init__(self, at: int | None = None) -> None:
         self.at = at
 
 
@@ -41,11 +44,11 @@ class RunHint:
 
     __slots__ = ("own", "before", "after")
 
-    def __init__(self, own, before, after):
+    def __init__(self, own: Placement, before: Sequence[Placement], after: Sequence[Placement]) -> None:
         self.own, self.before, self.after = own, before, after
 
 
-def run_position(hint, block_size):
+def run_position(hint: RunHint, block_size: int) -> tuple[int | None, int]:
     """(follow, lead) for Allocator.allocate, read when the block gets its extent."""
     for distance, placement in enumerate(hint.before, 1):
         if placement.at is not None:
