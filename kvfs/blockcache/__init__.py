@@ -11,6 +11,8 @@ through here: the namespace holds the block index as its journal port
 ``writeback`` dirty buffers, back-pressure, flush workers, truncation
 ``filedata``  FileData and Dirty
 """
+from __future__ import annotations
+
 import collections
 import dataclasses
 
@@ -52,7 +54,8 @@ class CacheStatistics:
 
 
 class BlockCache(ReadSide, WriteBack):
-    def __init__(self, index: IndexPort, *, cache_size, dirty_limit, read_depth=32, flush_workers=8):
+    def __init__(self, index: IndexPort, *, cache_size: int, dirty_limit: int, read_depth: int = 32,
+                 flush_workers: int = 8) -> None:
         self.index = index
         self.bs = index.block_size
         self.cache_size = max(cache_size, 4 * self.bs)
@@ -83,7 +86,7 @@ class BlockCache(ReadSide, WriteBack):
     def block_size(self) -> int:
         return self.bs
 
-    def statistics(self):
+    def statistics(self) -> CacheStatistics:
         s = self._s
         backlog = len(self._dirty) * self.bs       # dirty buffers not yet on the device
         return CacheStatistics(self.cache_size, self.dirty_limit, self._clean_bytes, self.dirty_bytes,

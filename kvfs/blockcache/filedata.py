@@ -1,4 +1,9 @@
 """A file's live content as the block cache sees it: blocks that are holes, stored keys or dirty buffers."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..base.aligned import Buffer, WritableBuffer
 from ..blockindex.runs import Placement
 
 
@@ -7,7 +12,7 @@ class Dirty:
 
     __slots__ = ("buf", "version", "queued", "attempts", "used", "placement")
 
-    def __init__(self, buf, used=0):
+    def __init__(self, buf: WritableBuffer, used: int = 0) -> None:
         self.buf = buf                     # zero-filled; bytes past the file's end stay zero
         self.used = used                   # bytes at the front of buf that may not be zero
         self.version = 0                   # bumped by every write; a flush of an old version is void
@@ -28,7 +33,7 @@ class FileData:
     __slots__ = ("size", "blocks", "dirty_count", "failed", "prefetched_upto", "progress", "domain",
                  "__weakref__")
 
-    def __init__(self, size=0, blocks=(), domain=0):
+    def __init__(self, size: int = 0, blocks: Iterable[bytes | Dirty | None] = (), domain: int = 0) -> None:
         self.size = size
         self.domain = domain               # dedup domain its new blocks are stored in (the owner's)
         self.blocks = list(blocks)
@@ -40,11 +45,11 @@ class FileData:
         # the set inside it) per file was 270 bytes of every idle file's RAM.
         self.progress = None
 
-    def keys(self):
+    def keys(self) -> list[bytes | None]:
         return [b if isinstance(b, bytes) else None for b in self.blocks]
 
 
-def all_zero(buf):
+def all_zero(buf: Buffer) -> bool:
     # Sample one byte per 4 KiB first: real KV data fails this at once, without
     # copying the buffer. Only a buffer that looks zero gets the full check.
     view = memoryview(buf)

@@ -5,14 +5,17 @@ device. Opening a file for reading prefetches its blocks with up to
 ``read_depth`` concurrent device reads, so one large ``read()`` from the engine
 turns into many parallel device reads.
 """
+from __future__ import annotations
+
 import contextlib
 import logging
 import mmap
+from typing import Iterator
 
 import trio
 
 from ..errors import KvfsError
-from .filedata import Dirty
+from .filedata import Dirty, FileData
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +25,7 @@ PREFETCH_RUN_BLOCKS = 8          # adjacent blocks read with one device call
 class ReadSide:
     """Mixed into :class:`~kvfs.blockcache.BlockCache`, which holds the state (see its __init__)."""
 
-    async def get(self, key):
+    async def get(self, key: bytes) -> memoryview:
         """A stored block's verified bytes, from the LRU or the device."""
         data = self._clean.get(key)
         if data is not None:
@@ -65,7 +68,7 @@ class ReadSide:
             self._clean_bytes -= len(old)
             self._recycle(old)
 
-    def forget_clean(self, filedata):
+    def forget_clean(self, filedata: FileData) -> None:
         """``filedata``'s stored blocks leave the clean cache; their buffers are
         reused once no read() can still hold a view of them."""
         for key in filedata.blocks:
@@ -74,7 +77,7 @@ class ReadSide:
                 self._clean_bytes -= len(view)
                 self._recycle(view)
 
-    def drop_clean(self):
+    def drop_clean(self) -> None:
         for view in self._clean.values():
             self._recycle(view)
         self._clean.clear()
@@ -108,7 +111,7 @@ class ReadSide:
         self._s["read_buffers_mapped"] += 1        # the device layer maps a fresh one
         return None
 
-    async def read(self, filedata, off, size):
+    async def read(self, filedata: FileData, off: int, size: int) -> bytes | memoryview:
         if filedata.failed:
             raise filedata.failed("file data was lost: its flush to the device failed")
         end = min(off + size, filedata.size)
@@ -121,7 +124,7 @@ class ReadSide:
             return await self._read_blocks(filedata, off, end, first, last)
 
     @contextlib.contextmanager
-    def views_held(self):
+    def views_held(self) -> Iterator[None]:
         """Inside, no block buffer whose view :meth:`read` returned is reused.
 
         A read's reply goes out before its read() returns; someone who keeps
@@ -175,7 +178,7 @@ class ReadSide:
         self._s["read_requests"] += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def prefetch_on_open(self, filedata):
+    def prefetch_on_open(self, filedata: FileData) -> int:
         """A new reader: prefetch from the file's start again.
 
         What an earlier reader prefetched may have left the clean cache since
@@ -190,7 +193,7 @@ class ReadSide:
         filedata.prefetched_upto = 0
         return self.prefetch(filedata)
 
-    def prefetch(self, filedata, from_index=0):
+    def prefetch(self, filedata: FileData, from_index: int = 0) -> int:
         """Start background reads of the stored blocks ahead of ``from_index``.
 
         The window is half the clean cache, so a prefetch never evicts the

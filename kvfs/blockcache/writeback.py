@@ -6,12 +6,14 @@ skips the device write when the block already exists) and swap the buffer for
 the block's key. ``dirty_limit`` bounds the dirty bytes: a writer that would
 exceed it waits for the flushers (back-pressure), it never gets ENOMEM.
 """
+from __future__ import annotations
+
 import itertools
 import logging
 
 import trio
 
-from ..base.aligned import new_buffer
+from ..base.aligned import Buffer, new_buffer
 from ..base.crashpoints import crashpoint
 from ..blockindex.runs import Placement, RunHint
 from ..errors import DedupCollision, DeviceTimeout, KvfsError, NoSpace
@@ -33,7 +35,7 @@ PLACE_SCAN_BLOCKS = 8
 class WriteBack:
     """Mixed into :class:`~kvfs.blockcache.BlockCache`, which holds the state (see its __init__)."""
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the flush workers (and prefetches) until cancelled."""
         send, recv = trio.open_memory_channel(0)     # workers pull; nothing queues unbounded
         async with trio.open_nursery() as nursery:
@@ -72,7 +74,7 @@ class WriteBack:
         self._s["flush_batch_max"] = max(self._s["flush_batch_max"], len(batch))
         return batch
 
-    async def write(self, filedata, off, data):
+    async def write(self, filedata: FileData, off: int, data: Buffer) -> None:
         if filedata.failed:
             raise filedata.failed("file data was lost: its flush to the device failed")
         bs = self.bs
@@ -321,7 +323,7 @@ class WriteBack:
                 filedata.blocks[idx] = None
                 self._retire(filedata, entry)
 
-    async def flush_file(self, filedata):
+    async def flush_file(self, filedata: FileData) -> None:
         """Return once every block of ``filedata`` written so far is stored."""
         while filedata.dirty_count:
             for entry in filedata.blocks:
@@ -333,7 +335,7 @@ class WriteBack:
         if filedata.failed:
             raise filedata.failed("flushing the file to the device failed")
 
-    async def flush_all(self):
+    async def flush_all(self) -> None:
         files = {id(filedata): filedata for filedata, _ in self._dirty.values()}
         async with trio.open_nursery() as nursery:
             for filedata in files.values():
@@ -346,7 +348,7 @@ class WriteBack:
             log.error("flush failed: %s", exc)
 
     # -- content changes ----------------------------------------------------
-    async def truncate(self, filedata, size):
+    async def truncate(self, filedata: FileData, size: int) -> None:
         bs = self.bs
         if size < filedata.size and size % bs:
             idx = size // bs
@@ -369,7 +371,7 @@ class WriteBack:
         elif entry is not None:
             self.index.unpin(entry)
 
-    def release(self, filedata):
+    def release(self, filedata: FileData) -> None:
         """The file is gone or emptied: drop its dirty buffers and unpin its blocks.
 
         An emptied file (O_TRUNC) has lost nothing, so a failed flush of its
@@ -381,7 +383,7 @@ class WriteBack:
         filedata.size = 0
         filedata.failed = None
 
-    def snapshot(self, filedata):
+    def snapshot(self, filedata: FileData) -> FileData:
         """A read-only copy of ``filedata`` as it is now, for :meth:`read`: its stored
         blocks pinned again, its dirty bytes copied (the copies are never flushed).
         Give it back with :meth:`release_snapshot`."""
@@ -396,19 +398,19 @@ class WriteBack:
         snap.prefetched_upto = len(snap.blocks)       # readers of it prefetch nothing
         return snap
 
-    def release_snapshot(self, snap):
+    def release_snapshot(self, snap: FileData) -> None:
         for entry in snap.blocks:
             if isinstance(entry, bytes):
                 self.index.unpin(entry)
         snap.blocks, snap.size = [], 0
 
-    def attach(self, filedata):
+    def attach(self, filedata: FileData) -> None:
         """Pin the stored blocks of a FileData built from durable state."""
         for entry in filedata.blocks:
             if entry is not None:
                 self.index.pin(entry)
 
-    def detach(self, filedata):
+    def detach(self, filedata: FileData) -> None:
         """Unpin what :meth:`attach` pinned, leaving ``filedata`` as it is (its
         stored blocks must stay alive through their refs)."""
         for entry in filedata.blocks:
