@@ -10,19 +10,24 @@ It talks to the block cache below it, and journals through its journal port (kvf
 ``idle``        idle files keep no live content object
 this module     the operations the FUSE layer calls
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 import os
 import stat
 import time
+from typing import Any, Callable, Iterator
 
 import trio
 
 from .. import schema
+from ..base.aligned import Buffer
 from ..base.crashpoints import armed, crashpoint
 from ..blockcache.port import CachePort
 from ..errors import (FormatError, BadDescriptor, Exists, InvalidArgument, IsADirectory, NameTooLong, NoSpace,
                       NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
+from ..schema.port import JournalPort
 from .durability import Durability
 from .eviction import Admin, Evictor
 from .idle import IdleFiles
@@ -60,14 +65,12 @@ class NamespaceStatistics:
 
 
 class Namespace(Durability, KernelPages):
-    def __init__(self, cache: CachePort, journal, *, now=time.time_ns, eviction_policy="s3fifo",
-                 high_watermark=0.9, low_watermark=0.8):
-        self.cache, self.journal = cache, journal
-        self.now = now
+    def __init__(self, cache: CachePort, journal: JournalPort, *, now: Callable[[], int] = time.time_ns,
+                 eviction_policy: str = "s3fifo", high_watermark: float = 0.9, low_watermark: float = 0.8) -> None:
+        self.cache, self.journal, self.now = cache, journal, now
         self.tree = Tree(journal, now, cache)
         self.view = ByHashView(self.tree, cache, journal)
-        self.evictor = Evictor(self, policy=eviction_policy, high_watermark=high_watermark,
-                               low_watermark=low_watermark)
+        self.evictor = Evictor(self, policy=eviction_policy, high_watermark=high_watermark, low_watermark=low_watermark)
         self.admin = Admin(self, self.evictor)
         self._unsealed = {}            # ino -> inode: every content_dirty file (durability.py)
         self.truncation = TruncationWindow(cache)
@@ -75,11 +78,10 @@ class Namespace(Durability, KernelPages):
         self.handles, self._next_fh, self._nursery = {}, 1, None
         self._durability_lock = trio.Lock()
         self._cut_limiter = trio.CapacityLimiter(1)       # a checkpoint's rows, off the event loop
-        self._checkpoint_stats = {"cut_ms_max": 0.0, "last_ms": 0.0,
-                                  "rows_built_off_loop": 0, "rows_saved_on_loop": 0}
+        self._checkpoint_stats = {"cut_ms_max": 0.0, "last_ms": 0.0, "rows_built_off_loop": 0, "rows_saved_on_loop": 0}
         self._space_wanted = trio.Event()
 
-    def load(self, state, records):
+    def load(self, state: schema.CheckpointState, records: list[Any]) -> None:
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
         self.tree.load(state, records, consume=True)
         try:
@@ -90,13 +92,13 @@ class Namespace(Durability, KernelPages):
 
     # -- space ----------------------------------------------------------------
     @property
-    def block_size(self):
+    def block_size(self) -> int:
         return self.cache.block_size
 
-    def metadata_bytes(self):
+    def metadata_bytes(self) -> int:
         return self.tree.metadata_bytes()
 
-    def metadata_capacity(self):
+    def metadata_capacity(self) -> int:
         return int(self.journal.checkpoint_capacity() * (1 - CHECKPOINT_MARGIN))
 
     def _charge_metadata(self, nbytes):
@@ -104,7 +106,7 @@ class Namespace(Durability, KernelPages):
         if self.metadata_bytes() + nbytes > self.metadata_capacity():
             raise NoSpace("no metadata space left (the checkpoint slot is full)")
 
-    def statfs(self):
+    def statfs(self) -> SpaceFigures:
         """Space and inode figures for statfs: data bytes, and inodes as metadata space allows."""
         free_inodes = max(0, self.metadata_capacity() - self.metadata_bytes())
         free_inodes //= INODE_ROW_COST + DIR_ENTRY_COST + TYPICAL_NAME
@@ -114,7 +116,7 @@ class Namespace(Durability, KernelPages):
                             block_size=self.block_size)
 
     # -- lookups --------------------------------------------------------------
-    def inode(self, ino):
+    def inode(self, ino: int) -> Inode:
         return self.view.inode(ino) if ino & VIEW_BIT else self.tree.inode(ino)
 
     @staticmethod
@@ -124,7 +126,7 @@ class Namespace(Durability, KernelPages):
         if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
             raise InvalidArgument("invalid name")
 
-    def lookup(self, parent, name):
+    def lookup(self, parent: int, name: bytes) -> int:
         """Resolve a name; counts one kernel lookup on success. Returns an inode number."""
         if len(name) > NAME_MAX:
             raise NameTooLong()
@@ -142,17 +144,17 @@ class Namespace(Durability, KernelPages):
         self.tree.inodes[child].lookups += 1
         return child
 
-    async def lookup_view(self, name, caller):
+    async def lookup_view(self, name: bytes, caller: tuple[int, int] | None) -> int:
         """by-hash/<name> for ``caller``: None (sees all) or (uid, gid)."""
         return await self.view.lookup(name, caller)
 
-    async def view_listing(self, caller):
+    async def view_listing(self, caller: tuple[int, int] | None) -> list[tuple[bytes, int, int]]:
         return await self.view.listing(caller)
 
-    def release_view_listing(self, listing):
+    def release_view_listing(self, listing: list[tuple[bytes, int, int]]) -> None:
         self.view.release_listing(listing)
 
-    def forget(self, ino, count):
+    def forget(self, ino: int, count: int) -> None:
         if ino < FIRST_INO:
             return
         if ino & VIEW_BIT:
@@ -165,7 +167,7 @@ class Namespace(Durability, KernelPages):
                 inode.filled_version = -1      # the kernel let go of the inode, and of its pages
             self.tree.maybe_destroy(inode)
 
-    def attr(self, ino):
+    def attr(self, ino: int) -> tuple[Inode, bool, int, bool]:
         """(inode-like attribute source, read_only, mtime, held back): all an attribute reply needs, in one call."""
         if ino in (META_DIR_INO, BY_HASH_INO):
             root = self.tree.inodes[ROOT_INO]
@@ -175,13 +177,13 @@ class Namespace(Durability, KernelPages):
             inode = self.view.inode(ino) if ino & VIEW_BIT else self.tree.inode(ino)
         return (inode, bool(ino & VIEW_BIT), *self.mtime_for_kernel(inode))
 
-    def readlink(self, ino):
+    def readlink(self, ino: int) -> bytes:
         target = self.inode(ino).target
         if target is None:
             raise InvalidArgument("not a symlink")
         return target
 
-    async def content_key(self, ino):
+    async def content_key(self, ino: int) -> bytes | None:
         """The key of a file's sealed content (``user.kvfs.key``), or None while it is changing."""
         inode = self.inode(ino)
         if not inode.is_file:
@@ -207,7 +209,7 @@ class Namespace(Durability, KernelPages):
         if parent in (META_DIR_INO, BY_HASH_INO) or parent & VIEW_BIT:
             raise ReadOnly("/.kvfs is read-only")
 
-    def make(self, parent, name, mode, uid, gid, rdev=0, target=None):
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0, target: bytes | None = None) -> int:
         """mknod / mkdir / symlink / create: returns the new inode number (one lookup).
 
         In a set-group-ID directory the entry takes the directory's group, and a
@@ -233,7 +235,7 @@ class Namespace(Durability, KernelPages):
             self._mark_unsealed(inode)         # provisional until its first content record
         return ino
 
-    def link(self, ino, parent, name):
+    def link(self, ino: int, parent: int, name: bytes) -> int:
         self._check_writable_dir(parent)
         inode = self.inode(ino)
         if ino & VIEW_BIT:
@@ -248,7 +250,7 @@ class Namespace(Durability, KernelPages):
         inode.lookups += 1
         return inode.ino
 
-    def unlink(self, parent, name, *, directory):
+    def unlink(self, parent: int, name: bytes, *, directory: bool) -> None:
         self._check_writable_dir(parent)
         if len(name) > NAME_MAX:
             raise NameTooLong()
@@ -269,7 +271,7 @@ class Namespace(Durability, KernelPages):
         if shared:
             crashpoint("dedup-unlink")
 
-    async def rename(self, old_parent, old_name, new_parent, new_name, *, noreplace=False):
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, *, noreplace: bool = False) -> None:
         """Rename; a closed file's pending content is recorded first.
 
         Engines publish a chunk by writing a temp file and renaming it over the
@@ -327,7 +329,8 @@ class Namespace(Durability, KernelPages):
                 up = self.tree.inodes[up].parent
 
     # -- attributes ---------------------------------------------------------
-    async def setattr(self, ino, *, size=None, mode=None, uid=None, gid=None, atime=None, mtime=None):
+    async def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None, uid: int | None = None,
+                      gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
         inode = self.inode(ino)
         if ino & VIEW_BIT:
             raise ReadOnly()
@@ -351,7 +354,7 @@ class Namespace(Durability, KernelPages):
         inode.kernel_mtime = inode.mtime       # a setattr reply shows the real mtime (namespace/pagecache.py)
 
     # -- file data ------------------------------------------------------------
-    def open(self, ino, flags, *, privileged=True):
+    def open(self, ino: int, flags: int, *, privileged: bool = True) -> tuple[int, bool, bool]:
         """Open a file; returns (fh, direct_io, keep_cache).
 
         ``privileged``: the caller may keep set-ID bits when it writes (CAP_FSETID).
@@ -406,13 +409,13 @@ class Namespace(Durability, KernelPages):
         inode.content_version += 1
         inode.mtime = inode.ctime = now
 
-    def handle(self, fh):
+    def handle(self, fh: int) -> Handle:
         try:
             return self.handles[fh]
         except KeyError:
             raise BadDescriptor() from None
 
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handle(fh)
         reads = self._page_cache_read(h)
         source = self.truncation.read_source(h.inode, fh)
@@ -420,7 +423,7 @@ class Namespace(Durability, KernelPages):
             return await self.cache.read(source, off, size)
         return await self._read_under_page_writers(reads, source, off, size)
 
-    async def write(self, fh, off, data):
+    async def write(self, fh: int, off: int, data: Buffer) -> int:
         h = self.handle(fh)
         if not h.writable:
             raise BadDescriptor()
@@ -440,7 +443,7 @@ class Namespace(Durability, KernelPages):
         self._content_changed(inode, self.now())
         return len(data)
 
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
         if h is None:
             return
@@ -458,14 +461,14 @@ class Namespace(Durability, KernelPages):
         self.tree.maybe_destroy(inode)
         self.idle.shed_if_idle(inode)
 
-    async def fsync(self, fh):
+    async def fsync(self, fh: int) -> None:
         h = self.handle(fh)
         self.truncation.old_content_done(h.inode, fh)
         await self.seal(h.inode, force=True)
         await self.commit()
 
     # -- directories --------------------------------------------------------
-    def list_dir(self, ino, after):
+    def list_dir(self, ino: int, after: int) -> Iterator[tuple[bytes, int, int]]:
         """Yield (name, ino, cookie) after ``after``; the caller counts lookups."""
         if ino == META_DIR_INO:
             if after < 1:
@@ -478,21 +481,20 @@ class Namespace(Durability, KernelPages):
             yield META_NAME, META_DIR_INO, 1
         yield from directory.entries.items_after(max(after, 1))
 
-    def parent_of(self, ino):
+    def parent_of(self, ino: int) -> int:
         """The inode number ".." names in directory ``ino``."""
         if ino in (META_DIR_INO, BY_HASH_INO):
             return ROOT_INO if ino == META_DIR_INO else META_DIR_INO
         return self.tree.dir(ino).parent
 
-    def count_lookup(self, ino):
+    def count_lookup(self, ino: int) -> None:
         if ino >= FIRST_INO:
             self.inode(ino).lookups += 1
 
-    def statistics(self):
+    def statistics(self) -> NamespaceStatistics:
         c = self._checkpoint_stats
         tree = self.tree                # O(1): statistics are read while a million files exist
-        return NamespaceStatistics(len(tree.inodes), tree.file_count, tree.dir_count,
-                                   tree.committed_bytes, len(self.handles),
-                                   len(self.tree.orphans), self.tree.next_ino, self.metadata_bytes(),
+        return NamespaceStatistics(len(tree.inodes), tree.file_count, tree.dir_count, tree.committed_bytes,
+                                   len(self.handles), len(tree.orphans), tree.next_ino, self.metadata_bytes(),
                                    self.metadata_capacity(), round(c["cut_ms_max"], 3), round(c["last_ms"], 3),
                                    c["rows_built_off_loop"], c["rows_saved_on_loop"])

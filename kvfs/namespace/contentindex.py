@@ -16,10 +16,11 @@ entered, and changes keep it so).
 ``by_content`` maps a content key to one inode number, or to a set of them when
 dedup copies share it (see :meth:`owners`).
 """
+from typing import Sequence
 import trio
 
 from ..schema.port import JournalPort
-from .inodes import members, with_member, without_member
+from .inodes import Inode, members, with_member, without_member
 
 HOLE_KEY = b"\0" * 16           # stands for a hole in the bytes a content key hashes
 SLICE = 2048                   # files keyed between two yields of the walk
@@ -30,7 +31,7 @@ _UNBUILT, _BUILDING, _BUILT = range(3)
 class ContentIndex:
     journal: JournalPort
 
-    def __init__(self, journal: JournalPort, inodes):
+    def __init__(self, journal: JournalPort, inodes: dict[int, Inode]) -> None:
         self.journal = journal
         self.inodes = inodes       # the tree's live inodes (the same dict)
         self.by_content = {}
@@ -38,10 +39,10 @@ class ContentIndex:
         self._built = None         # trio.Event while the walk runs
 
     @property
-    def built(self):
+    def built(self) -> bool:
         return self._state == _BUILT
 
-    def key_of(self, size, keys):
+    def key_of(self, size: int, keys: Sequence[bytes | None]) -> bytes:
         """The public key of a whole content: what ``user.kvfs.key`` shows and by-hash names.
 
         Block keys are domain-keyed, so the same bytes owned by two tenants get
@@ -50,21 +51,21 @@ class ContentIndex:
         internal = self.journal.key_of(size.to_bytes(8, "little") + b"".join(k or HOLE_KEY for k in keys))
         return self.journal.public_id(internal)
 
-    def key(self, inode):
+    def key(self, inode: Inode) -> bytes:
         """``inode``'s content key (computed now if it was not)."""
         if inode.content_key is None:
             inode.content_key = self.key_of(inode.size_committed, inode.committed)
         return inode.content_key
 
     # -- changes ---------------------------------------------------------------
-    def committed(self, inode):
+    def committed(self, inode: Inode) -> None:
         """``inode`` has a new committed content (its size_committed and committed)."""
         self.forget(inode)
         inode.content_key = None
         if self._state != _UNBUILT:
             self._enter(inode)
 
-    def forget(self, inode):
+    def forget(self, inode: Inode) -> None:
         key = inode.content_key
         if key is None or key not in self.by_content:
             return
@@ -80,14 +81,14 @@ class ContentIndex:
         self.by_content[key] = with_member(self.by_content.get(key), inode.ino)
 
     # -- queries ---------------------------------------------------------------
-    def owners(self, key):
+    def owners(self, key: bytes) -> set[int] | tuple[int, ...]:
         """The inode numbers whose committed content is ``key`` (a set or a tuple); needs :meth:`ready`."""
         return members(self.by_content.get(key))
 
     def _holds_content(self, inode):
         return inode.is_file and not inode.provisional
 
-    async def ready(self):
+    async def ready(self) -> None:
         """Build the index if it is not built (yielding between slices); wait if another task builds it."""
         if self._state == _BUILT:
             return
@@ -111,7 +112,7 @@ class ContentIndex:
         finally:
             self._built.set()
 
-    def ready_now(self):
+    def ready_now(self) -> None:
         """:meth:`ready` without yielding (sync callers; a large tree stalls the caller).
 
         Overtaking a walk in progress is harmless: it skips what is entered."""

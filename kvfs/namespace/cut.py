@@ -33,10 +33,14 @@ cut (fetched after the copy) are put back to their values at the cut.
 
 The tree ends the cut (:meth:`Tree.end_cut`) once the rows are built.
 """
+from __future__ import annotations
+
 import dataclasses
 import itertools
+from typing import Any
 
 from .. import schema
+from .inodes import Inode
 
 ABSENT = None                 # preserve_name: the name did not exist at the cut
 
@@ -48,7 +52,7 @@ class CutStatistics:
     names_saved_on_loop: int    # directory entries saved on the loop for the same reason
 
 
-def inode_fields(inode):
+def inode_fields(inode: Inode) -> tuple:
     """What a checkpoint row says about ``inode``, less a directory's entries."""
     if inode.is_dir:
         payload = inode.parent
@@ -61,7 +65,7 @@ def inode_fields(inode):
 
 
 class TreeCut:
-    def __init__(self, tree, *, listed_now=False):
+    def __init__(self, tree: Any, *, listed_now: bool = False) -> None:      # tree: the Tree (a cycle to import)
         """``listed_now``: list the inodes at the cut itself (fsck's snapshot, where nothing
         changes meanwhile); then every inode listed is in the cut, whatever its number, and
         fsck sees even one at or above a (damaged) next_ino."""
@@ -77,7 +81,7 @@ class TreeCut:
         if listed_now:
             self.list_inodes()
 
-    def list_inodes(self):
+    def list_inodes(self) -> None:
         """On the loop, in a later step than the cut: list the tree's inode objects."""
         if self.inodes is None:
             self.inodes = list(self._live.values())
@@ -90,23 +94,23 @@ class TreeCut:
         # before it left: the tree preserves an inode before it unlinks it.)
         return inode.ino < self.next_ino and self._live.get(inode.ino) is inode
 
-    def preserve(self, inode):
+    def preserve(self, inode: Inode) -> None:
         if inode.ino not in self._saved and self._in_cut(inode):
             self._saved[inode.ino] = inode_fields(inode)
 
-    def forget(self, inode):
+    def forget(self, inode: Inode) -> None:
         """``inode`` leaves the tree (already preserved): keep it if the list is not taken yet."""
         if self.inodes is None and self._in_cut(inode):
             self._gone.append(inode)
 
-    def preserve_name(self, directory, name):
+    def preserve_name(self, directory: Inode, name: bytes) -> None:
         if self._in_cut(directory):
             names = self._names.setdefault(directory.ino, {})
             if name not in names:
                 names[name] = directory.entries.get(name)
 
     # -- in a worker thread ---------------------------------------------------------
-    def build(self):
+    def build(self) -> schema.CheckpointState:
         """The namespace's CheckpointState at the cut, whole (fsck; blocks and free map are added below)."""
         self.list_inodes()
         provisional = []
@@ -114,7 +118,7 @@ class TreeCut:
         return schema.CheckpointState(next_ino=self.next_ino, inodes=rows, blocks=[], free=None,
                                       provisional=provisional, pinned=self.pinned)
 
-    def write(self, writer):
+    def write(self, writer: schema.CheckpointWriter) -> None:
         """Write the namespace's part of the checkpoint into ``writer`` (a schema.CheckpointWriter),
         each row packed as it is made: a million rows never exist at once."""
         assert self.inodes is not None, "list_inodes() first, on the loop"
@@ -156,5 +160,5 @@ class TreeCut:
                     entries[name] = ino
         return list(entries.items())
 
-    def statistics(self):
+    def statistics(self) -> CutStatistics:
         return CutStatistics(self._built, len(self._saved), sum(len(n) for n in self._names.values()))

@@ -19,6 +19,7 @@ from ..base.gcpolicy import collections_paused, release_off_loop
 from ..base.gilpolicy import loop_first
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
 from ..schema.port import JournalPort
+from .inodes import Inode
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Durability:
             log.critical("record %s was journaled but does not apply", type(record).__name__)
             raise
 
-    async def commit(self):
+    async def commit(self) -> None:
         """Make every record so far durable: a journal frame, or a checkpoint when the journal is full."""
         async with self._durability_lock:
             try:
@@ -50,12 +51,12 @@ class Durability:
             except JournalFull:
                 await self._checkpoint_locked()
 
-    async def checkpoint(self):
+    async def checkpoint(self) -> None:
         """Write the whole state as a checkpoint (which empties the journal)."""
         async with self._durability_lock:
             await self._checkpoint_locked()
 
-    async def checkpoint_unless_folded(self):
+    async def checkpoint_unless_folded(self) -> bool:
         """The unmount's checkpoint; skipped (False) when the journal holds no record since
         the last one, which then already says all that a new one would.
 
@@ -168,7 +169,7 @@ class Durability:
         finally:
             inode.sealing = False
 
-    async def seal(self, inode, force=False):
+    async def seal(self, inode: Inode, force: bool = False) -> None:
         """Flush a file's blocks and record its content (once no writer has it open).
 
         With ``force`` (fsync, flush) the content is recorded even while writers
@@ -204,7 +205,7 @@ class Durability:
             self._space_wanted.set()
 
     # -- whole-filesystem operations -----------------------------------------
-    async def flush_all(self):
+    async def flush_all(self) -> None:
         """Make everything durable: blocks, contents (open files too) and the journal."""
         await self.cache.flush_all()
         for inode in self._unsealed_files():
@@ -214,7 +215,8 @@ class Durability:
                 log.error("inode %d: flush failed: %s", inode.ino, exc)
         await self.commit()
 
-    async def run(self, commit_interval, *, task_status=trio.TASK_STATUS_IGNORED):
+    async def run(self, commit_interval: float, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Background upkeep: seal idle files, commit the journal, checkpoint when it fills."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

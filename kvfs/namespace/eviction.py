@@ -12,16 +12,19 @@ file, appended together and committed in one journal frame, so after a crash
 the file is either whole or gone. Eviction runs on the event loop, between
 awaits, so no operation sees a file half removed.
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 import time
 from operator import attrgetter
 from stat import S_IFREG
+from typing import Any, Iterable
 
 from .. import schema
 from ..base.crashpoints import crashpoint
 from ..errors import InvalidArgument
-from .inodes import names_of
+from .inodes import Inode, names_of
 from .policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,8 @@ class EvictionStatistics:
 class Evictor:
     """Owned by the Namespace; sees the tree and asks the namespace to journal and commit."""
 
-    def __init__(self, namespace, *, policy=DEFAULT_POLICY, high_watermark=0.9, low_watermark=0.8):
+    def __init__(self, namespace: Any, *, policy: str = DEFAULT_POLICY, high_watermark: float = 0.9,
+                 low_watermark: float = 0.8) -> None:       # namespace: the Namespace (a cycle to import)
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown eviction policy {policy!r} (use {', '.join(sorted(POLICIES))})")
         if not 0 < low_watermark < high_watermark <= 1:
@@ -60,7 +64,7 @@ class Evictor:
         self.entry_removed = None
 
     # -- what the policy hears -----------------------------------------------
-    def load(self):
+    def load(self) -> None:
         """After mount: every file with content, oldest modification first (no access history survives)."""
         # (_rare None: not provisional, without a property call a file; inodes.py)
         files = [i for i in self.tree.inodes.values()
@@ -73,29 +77,30 @@ class Evictor:
         inodes = self.tree.inodes
         self.policy.load(list(map(_INO, files)), lambda ino: inodes[ino].size_committed)
 
-    def sealed(self, inode):
+    def sealed(self, inode: Inode) -> None:
         self.policy.insert(inode.ino, inode.size_committed)
 
-    def accessed(self, inode):
+    def accessed(self, inode: Inode) -> None:
         self.policy.access(inode.ino)
 
-    def forget(self, inode):
+    def forget(self, inode: Inode) -> None:
         self.policy.remove(inode.ino)
 
     # -- space ------------------------------------------------------------------
-    def used_fraction(self):
+    def used_fraction(self) -> float:
         capacity = self.ns.journal.capacity_bytes()
         return 1 - max(0, self.ns.journal.available_bytes()) / capacity if capacity else 0.0
 
-    def over_high_watermark(self):
+    def over_high_watermark(self) -> bool:
         return self.policy.name != "none" and self.used_fraction() > self.high
 
-    def evictable(self, inode):
+    def evictable(self, inode: Inode | None) -> bool:
         return (inode is not None and inode.is_file and not inode.opens and not inode.writers
                 and not inode.content_dirty and not inode.provisional and not inode.sealing
                 and inode.ino not in self.tree.pinned)
 
-    def choose(self, *, free_bytes=0, to_used=None, older_than_ns=None, inos=None):
+    def choose(self, *, free_bytes: int = 0, to_used: float | None = None, older_than_ns: int | None = None,
+               inos: Iterable[int] | None = None) -> list[Inode]:
         """The files to evict, in policy order, for one of the ways of asking. No side effects
         beyond the policy's own bookkeeping of the walk."""
         capacity = self.ns.journal.capacity_bytes()
@@ -125,7 +130,7 @@ class Evictor:
             planned += inode.size_committed
         return chosen
 
-    async def evict(self, inodes):
+    async def evict(self, inodes: Iterable[Inode]) -> tuple[int, int]:
         """Remove ``inodes`` (journaled like unlinks, committed); returns (files, bytes)."""
         count = nbytes = since_commit = 0
         for inode in inodes:
@@ -154,7 +159,7 @@ class Evictor:
                      self.policy.name, 100 * self.used_fraction())
         return count, nbytes
 
-    async def make_room(self, nbytes=0):
+    async def make_room(self, nbytes: int = 0) -> int:
         """Evict down to the low watermark (and at least ``nbytes``); returns the files evicted."""
         capacity = self.ns.journal.capacity_bytes()
         need = max(int((self.used_fraction() - self.low) * capacity), nbytes)
@@ -163,15 +168,15 @@ class Evictor:
         count, _ = await self.evict(self.choose(free_bytes=need))
         return count
 
-    def pinned_bytes(self):
+    def pinned_bytes(self) -> int:
         return sum(self.tree.inodes[i].size_committed for i in self.tree.pinned if i in self.tree.inodes)
 
-    def statistics(self):
+    def statistics(self) -> EvictionStatistics:
         return EvictionStatistics(self.policy.name, self.high, self.low, self.evictions, self.evicted_bytes,
                                   len(self.tree.pinned), self.pinned_bytes())
 
 
-def older_than(seconds, now_ns=None):
+def older_than(seconds: float, now_ns: int | None = None) -> int:
     """The timestamp (ns) before which a file counts as older than ``seconds``."""
     return (now_ns if now_ns is not None else time.time_ns()) - int(seconds * 1e9)
 
@@ -179,10 +184,12 @@ def older_than(seconds, now_ns=None):
 class Admin:
     """What ``kvfs-admin evict``, ``pin`` and ``unpin`` ask of a running daemon."""
 
-    def __init__(self, namespace, evictor):
+    def __init__(self, namespace: Any, evictor: Evictor) -> None:
         self.ns, self.evictor = namespace, evictor
 
-    async def evict(self, *, to_used=None, free_bytes=None, older_than_s=None, inos=None, dry_run=False):
+    async def evict(self, *, to_used: float | None = None, free_bytes: int | None = None,
+                    older_than_s: float | None = None, inos: Iterable[int] | None = None,
+                    dry_run: bool = False) -> dict[str, Any]:
         if sum(x is not None for x in (to_used, free_bytes, older_than_s, inos)) != 1:
             raise InvalidArgument("evict needs exactly one of to_used, free_bytes, older_than, paths")
         if to_used is not None and not 0 <= to_used <= 1:
@@ -196,7 +203,7 @@ class Admin:
         report["used_fraction"] = round(self.evictor.used_fraction(), 4)
         return report
 
-    async def pin(self, inos, pinned=True):
+    async def pin(self, inos: Iterable[int], pinned: bool = True) -> dict[str, int]:
         """Pin or unpin files; durable (a checkpoint) before this returns."""
         tree = self.ns.tree
         for ino in inos:

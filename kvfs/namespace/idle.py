@@ -22,9 +22,12 @@ still holds the old FileData (a prefetch) reads the same verified bytes, or
 gets EIO once a later content freed them; never other bytes.
 """
 import contextlib
+from typing import Any, Iterator, Sequence
 
 from ..blockcache import FileData
+from ..blockcache.port import CachePort
 from ..schema.port import JournalPort
+from .inodes import Inode
 
 
 class IdleFiles:
@@ -36,16 +39,16 @@ class IdleFiles:
 
     journal: JournalPort        # the dedup domain of a file's owner
 
-    def __init__(self, tree, journal: JournalPort, cache, unsealed):
+    def __init__(self, tree: Any, journal: JournalPort, cache: CachePort, unsealed: dict[int, Inode]) -> None:
         self.tree, self.journal, self.cache = tree, journal, cache
         self.unsealed = unsealed
 
-    def live_data(self, inode):
+    def live_data(self, inode: Inode) -> FileData:
         """``inode``'s FileData, built from its durable content if it is idle."""
         return inode.data if inode.data is not None else build_live_data(inode, self.journal, self.cache)
 
     @contextlib.contextmanager
-    def holding(self, inode):
+    def holding(self, inode: Inode) -> Iterator[None]:
         """Keep ``inode``'s live content while the block runs; drop it after, if idle."""
         inode.data_holds += 1
         try:
@@ -55,7 +58,7 @@ class IdleFiles:
             if not inode.data_holds:
                 self.shed_if_idle(inode)
 
-    def shed_if_idle(self, inode):
+    def shed_if_idle(self, inode: Inode) -> bool:
         """Drop ``inode``'s FileData if its live content is its durable content and nothing uses it."""
         data = inode.data
         if (data is None or not inode.is_file or inode.opens or inode.writers or inode.content_dirty
@@ -72,7 +75,7 @@ class IdleFiles:
         return True
 
 
-def build_live_data(inode, journal, cache):
+def build_live_data(inode: Inode, journal: JournalPort, cache: CachePort) -> FileData:
     """Make an idle file's live content from its durable record, its blocks pinned in
     ``cache`` (None: fsck's tree, which pins nothing); ``journal`` gives its dedup domain.
 
@@ -89,7 +92,7 @@ def build_live_data(inode, journal, cache):
     return data
 
 
-def idle_keys_match(data, committed):
+def idle_keys_match(data: FileData, committed: Sequence[bytes | None]) -> bool:
     """Whether ``data``'s blocks are exactly the stored keys ``committed`` lists (trailing holes aside)."""
     blocks = data.blocks
     n = len(committed)

@@ -1,8 +1,11 @@
 """Inodes and directory entries: the namespace's data types and reserved numbers."""
+from __future__ import annotations
+
 import array
 import bisect
 import dataclasses
 import stat
+from typing import Any, Iterable, Iterator, KeysView, Sequence
 
 from ..base.sharedints import shared
 
@@ -86,7 +89,7 @@ class DirEntries:
 
     __slots__ = ("by_name", "_cookies", "_order", "_next", "_dead", "_fresh", "_moved")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.by_name = {}                  # name -> _pack(cookie, ino)
         self._cookies = array.array("Q")   # sorted cookies, live and tombstoned
         self._order = []                   # the name of each cookie in _cookies; None: removed
@@ -98,31 +101,31 @@ class DirEntries:
     def __len__(self):
         return len(self.by_name)
 
-    def get(self, name):
+    def get(self, name: bytes) -> int | None:
         hit = self.by_name.get(name)
         return None if hit is None else _ino_of(hit)
 
-    def cookie_of(self, name):
+    def cookie_of(self, name: bytes) -> int:
         return _cookie_of(self.by_name[name])
 
-    def names(self):
+    def names(self) -> KeysView[bytes]:
         return self.by_name.keys()
 
     # inos() and items() unpack inline (see _ino_of): mount walks every entry with them.
-    def inos(self):
+    def inos(self) -> list[int]:
         """The children's inode numbers (a list: safe while entries change)."""
         return [p & _NARROW_INO_MASK if p >= 0 else ~p & _WIDE_INO_MASK for p in self.by_name.values()]
 
-    def items(self):
+    def items(self) -> list[tuple[bytes, int]]:
         """[(name, ino)] as they are now (a list: the caller may change entries meanwhile)."""
         return [(name, p & _NARROW_INO_MASK if p >= 0 else ~p & _WIDE_INO_MASK) for name, p in self.by_name.items()]
 
-    def items_from_thread(self):
+    def items_from_thread(self) -> list[tuple[bytes, int]]:
         """:meth:`items` for a worker thread while the loop changes entries: one dict
         copy first, made under the GIL, so the walk never sees the dict change size."""
         return [(name, _ino_of(packed)) for name, packed in self.by_name.copy().items()]
 
-    def add(self, name, ino):
+    def add(self, name: bytes, ino: int) -> None:
         self._next += 1
         self.by_name[name] = _pack(self._next, ino)
         self._cookies.append(self._next)
@@ -130,7 +133,7 @@ class DirEntries:
         if self._fresh is not None:
             self._compact_some()
 
-    def add_all(self, entries):
+    def add_all(self, entries: Iterable[tuple[bytes, int]]) -> None:
         """Add [(name, ino), ...] (names new and distinct) as :meth:`add` would, one by one.
 
         Mount loads every directory so: a million entries added one call each
@@ -143,7 +146,7 @@ class DirEntries:
         self._order.extend(names)
         self._next += len(entries)
 
-    def remove(self, name):
+    def remove(self, name: bytes) -> None:
         cookie = _cookie_of(self.by_name.pop(name))
         cookies, names, lo, fresh = self._cookies, self._order, self._moved, self._fresh
         if fresh is not None and fresh[0] and cookie <= fresh[0][-1]:
@@ -173,7 +176,7 @@ class DirEntries:
             self._cookies, self._order = self._fresh
             self._fresh, self._moved = None, 0
 
-    def items_after(self, cookie):
+    def items_after(self, cookie: int) -> Iterator[tuple[bytes, int, int]]:
         """Yield (name, ino, cookie) for entries with a cookie greater than ``cookie``."""
         # The arrays as they are now: a compaction while the caller iterates
         # replaces them, and positions in the new ones mean other entries.
@@ -202,7 +205,7 @@ class DirEntries:
 # (for eviction, which removes them all; see add_name) are almost always a single value, and an
 # empty set is 216 bytes. So such a field holds nothing (() or None), the one
 # value, or a set once there are two or more.
-def with_member(current, item):
+def with_member(current: Any, item: Any) -> Any:
     """``current`` (a one-or-a-set field) with ``item`` added."""
     if not current:
         return item
@@ -212,7 +215,7 @@ def with_member(current, item):
     return current if current == item else {current, item}
 
 
-def without_member(current, item):
+def without_member(current: Any, item: Any) -> Any:
     """``current`` with ``item`` removed; () once nothing is left."""
     if isinstance(current, set):
         current.discard(item)
@@ -220,7 +223,7 @@ def without_member(current, item):
     return () if current == item else current
 
 
-def members(current):
+def members(current: Any) -> set | tuple:
     """The values of a one-or-a-set field."""
     if isinstance(current, set):
         return current
@@ -232,7 +235,7 @@ def members(current):
 # (the directory's own int): no tuple, which was 56 bytes a file. Two or more
 # are a set of (directory ino, name). Directories keep None (they have one
 # name, found through ``parent``).
-def add_name(inode, entry):
+def add_name(inode: Inode, entry: tuple[int, bytes]) -> None:
     current = inode.names
     if not current:
         inode.name_dir, inode.names = entry
@@ -243,7 +246,7 @@ def add_name(inode, entry):
         current.add(entry)
 
 
-def drop_name(inode, entry):
+def drop_name(inode: Inode, entry: tuple[int, bytes]) -> None:
     current = inode.names
     if type(current) is bytes:
         if (inode.name_dir, current) == entry:
@@ -254,7 +257,7 @@ def drop_name(inode, entry):
             inode.name_dir, inode.names = next(iter(current))
 
 
-def names_of(inode):
+def names_of(inode: Inode) -> set[tuple[int, bytes]] | tuple[tuple[int, bytes], ...]:
     """A file's (directory ino, name) entries."""
     current = inode.names
     if type(current) is bytes:
@@ -319,7 +322,7 @@ class Inode:
     pre_truncate = _rare("pre_truncate", None)     # (old content, truncating fh): see namespace/truncation.py
     page_reads = _rare("page_reads", None)         # ReadsUnderPageWriters while page_writers: namespace/pagecache.py
 
-    def __init__(self, ino, mode, uid, gid, rdev=0, now=0):
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, rdev: int = 0, now: int = 0) -> None:
         self._rare = None
         # Modes and owners repeat across files: one int object each (kvfs/base/sharedints.py).
         self.ino, self.mode, self.uid, self.gid = ino, shared(mode), shared(uid), shared(gid)
@@ -342,7 +345,8 @@ class Inode:
         self.name_dir = None
 
     @classmethod
-    def loaded_file(cls, ino, mode, uid, gid, nlink, atime, mtime, ctime, committed, size):
+    def loaded_file(cls, ino: int, mode: int, uid: int, gid: int, nlink: int, atime: int, mtime: int, ctime: int,
+                    committed: Sequence[bytes | None], size: int) -> Inode:
         """A regular file as a checkpoint row makes it: idle (namespace/idle.py), never looked up.
 
         The same inode as ``Inode(ino, mode, uid, gid)`` given the row's fields
@@ -361,7 +365,9 @@ class Inode:
         return inode
 
     @classmethod
-    def loaded_files(cls, inos, modes, uids, gids, nlinks, atimes, mtimes, ctimes, committed, sizes):
+    def loaded_files(cls, inos: Sequence[int], modes: Sequence[int], uids: Sequence[int], gids: Sequence[int],
+                     nlinks: Sequence[int], atimes: Sequence[int], mtimes: Sequence[int], ctimes: Sequence[int],
+                     committed: Sequence[Any], sizes: Sequence[int]) -> list[Inode]:
         """:meth:`loaded_file` for each row of a batch, given as columns; a list of Inodes.
 
         ``committed``: each file's block list as ``_committed`` keeps it (a
@@ -391,24 +397,24 @@ class Inode:
     # A file's durable block list, (key | None, ...). A one-block file keeps its
     # key bare: a 1-tuple was 48 bytes a file, and most small files are one block.
     @property
-    def committed(self):
+    def committed(self) -> tuple[bytes | None, ...]:
         keys = self._committed
         return keys if type(keys) is tuple else (keys,)
 
     @committed.setter
-    def committed(self, keys):
+    def committed(self, keys: Sequence[bytes | None]) -> None:
         self._committed = keys[0] if len(keys) == 1 and keys[0] is not None else tuple(keys)
 
     @property
-    def is_dir(self):
+    def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)
 
     @property
-    def is_file(self):
+    def is_file(self) -> bool:
         return stat.S_ISREG(self.mode)
 
     @property
-    def size(self):
+    def size(self) -> int:
         if self.data is not None:
             return self.data.size
         if stat.S_ISREG(self.mode):
@@ -423,7 +429,7 @@ class ViewInode(Inode):
 
     __slots__ = ("source", "view_size", "holds")
 
-    def __init__(self, ino, key, source):
+    def __init__(self, ino: int, key: bytes, source: Inode) -> None:
         super().__init__(ino, stat.S_IFREG, source.uid, source.gid)
         self.data = None                   # an immutable FileData while open
         self.content_key = key
@@ -431,7 +437,7 @@ class ViewInode(Inode):
         self.holds = 0                     # by-hash listings that include this entry
         self.refresh(source)
 
-    def refresh(self, source):
+    def refresh(self, source: Inode) -> None:
         # Only the owner (and root) may use a view entry: read and search bits, nothing else.
         self.mode = stat.S_IFREG | (source.mode & 0o500)
         self.uid, self.gid = source.uid, source.gid
@@ -439,7 +445,7 @@ class ViewInode(Inode):
         self.view_size = source.size_committed
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.view_size
 
 

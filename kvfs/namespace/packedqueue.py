@@ -41,9 +41,12 @@ next ``_STEP`` slots into fresh slots, so no call does more than that
 Each step moves at most ``_STEP`` entries while a call adds at most one, so a
 compaction ends within (entries) / (``_STEP`` - 1) calls.
 """
+from __future__ import annotations
+
 import array
 import bisect
 import itertools
+from typing import Callable, Iterable
 
 _GONE = (1 << 64) - 1          # sizes: the file has left the queue
 _ORIGINAL = (1 << 64) - 1      # at: the file's one log entry, placed by the constructor
@@ -65,7 +68,7 @@ class PackedQueue:
                  "_extras_due", "_extra", "_live", "_steps", "_most_moved", "_log_compactions",
                  "_slot_compactions")
 
-    def __init__(self, order=(), size_of=None):
+    def __init__(self, order: Iterable[int] = (), size_of: Callable[[int], int] | None = None) -> None:
         """``order``: distinct inode numbers, first to leave first (a list of the caller's
         own ints, so sorting it copies none); ``size_of(ino)``: each one's size."""
         self._log = array.array("Q", order)
@@ -86,7 +89,7 @@ class PackedQueue:
     def __len__(self):
         return self._live
 
-    def statistics(self):
+    def statistics(self) -> dict[str, int]:
         return {"files": self._live, "log_entries": len(self._log) - self._head
                 + (len(self._fresh) - self._fresh_head if self._fresh is not None else 0),
                 "slots": len(self._slots[0]) + (len(self._old[0]) - self._moved if self._old else 0),
@@ -110,7 +113,7 @@ class PackedQueue:
         inos, sizes, at, i = self._place(ino)
         return (sizes, at, i) if i < len(inos) and inos[i] == ino else None
 
-    def get(self, ino):
+    def get(self, ino: int) -> int | None:
         """``ino``'s size, or None if it is not queued."""
         slot = self._find(ino)
         if slot is not None:
@@ -122,13 +125,13 @@ class PackedQueue:
     def __contains__(self, ino):
         return self.get(ino) is not None
 
-    def sizes_total(self):
+    def sizes_total(self) -> int:
         sizes = self._slots[1]
         if self._old is not None:
             sizes = itertools.chain(sizes, itertools.islice(self._old[1], self._moved, None))
         return sum(s for s in sizes if s != _GONE) + sum(s for s, _ in self._extra.values())
 
-    def push(self, ino, size):
+    def push(self, ino: int, size: int) -> None:
         """Queue ``ino`` at the back, or move it there (with ``size``) if it is queued."""
         at = len(self._log) | self._tag
         self._log.append(ino)
@@ -149,7 +152,7 @@ class PackedQueue:
                 self._extra[ino] = [size, at]
         self._compact_some()
 
-    def remove(self, ino):
+    def remove(self, ino: int) -> int | None:
         """Take ``ino`` out; its size, or None if it was not queued."""
         slot = self._find(ino)
         if slot is not None and slot[0][slot[2]] != _GONE:
@@ -176,7 +179,7 @@ class PackedQueue:
         hit = self._extra.get(ino)
         return (ino, hit[0]) if hit is not None and hit[1] == index | tag else None
 
-    def first(self):
+    def first(self) -> tuple[int, int] | None:
         """(ino, size) of the file at the front, or None if the queue is empty."""
         fresh = self._fresh
         if fresh is not None:

@@ -71,9 +71,14 @@ date, so no reader cached older bytes in it unless it was dropped twice in the
 window; it is dropped only if a noted read covered it. Every drop has a time
 limit (kvfs/fuse/pagedrops.py) after which the reply goes out and the drop completes.
 """
+from __future__ import annotations
+
 import os
+from typing import ContextManager
 
 import trio
+
+from .inodes import Inode
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 READS_SETTLE_WAIT_S = 5.0        # a WRITE waits this long at most for the reads that raced it
@@ -84,7 +89,7 @@ class ReadsUnderPageWriters:
 
     __slots__ = ("started", "running", "ended", "writers")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.started = 0                   # reads begun (their sequence numbers)
         self.running = set()               # sequence numbers of the reads not yet answered
         self.ended = None                  # a trio.Event while a WRITE waits for reads to end
@@ -119,7 +124,7 @@ class KernelPages:
             inode.page_writers += 1
         return direct_io, page_writer, keep
 
-    def page_fill_size(self, fh, most):
+    def page_fill_size(self, fh: int, most: int) -> int:
         """How many bytes of the file open at ``fh`` the FUSE layer should place in the
         kernel's page cache before it answers the open (kvfs/fuse/pagefill.py), or 0.
 
@@ -135,7 +140,7 @@ class KernelPages:
             return 0
         return min(inode.size, most)
 
-    def views_held(self):
+    def views_held(self) -> ContextManager[None]:
         """Views that :meth:`read` returns inside stay valid (BlockCache.views_held)."""
         return self.cache.views_held()
 
@@ -153,7 +158,7 @@ class KernelPages:
     # first read after a loss the daemon missed goes through READs and
     # readahead, as without page fills; the next open fills again.
 
-    def page_fill_done(self, fh, size):
+    def page_fill_done(self, fh: int, size: int) -> None:
         """The FUSE layer stored the first ``size`` bytes of the file open at ``fh`` in the kernel."""
         inode = self.handle(fh).inode
         # Not while the kernel holds an older mtime: the next stat (Python's open()
@@ -166,7 +171,7 @@ class KernelPages:
             self.cache.forget_clean(inode.data)
 
     @staticmethod
-    def pages_filled(inode):
+    def pages_filled(inode: Inode) -> bool:
         """Whether the kernel holds every page of ``inode``'s content, as far as kvfs knows."""
         return inode.filled_version == inode.content_version
 
@@ -178,7 +183,7 @@ class KernelPages:
         h.inode.filled_version = -1            # a READ: the kernel lacks a page
         return h.inode.page_reads
 
-    def drop_caches(self):
+    def drop_caches(self) -> None:
         """kvfs-admin drop-caches: empty the clean cache and forget every page fill."""
         self.cache.drop_clean()
         for inode in self.tree.inodes.values():    # O(inodes): an operator's command, not a request path
@@ -188,7 +193,7 @@ class KernelPages:
     def _shielded(inode):
         return inode.page_writers and not inode.direct_writes_under_page_writers
 
-    def mtime_for_kernel(self, inode):
+    def mtime_for_kernel(self, inode: Inode) -> tuple[int, bool]:
         """(mtime, held back) for an attribute reply (see the module doc)."""
         if self._shielded(inode):              # the first page-cache writer's open set kernel_mtime
             return inode.kernel_mtime, inode.kernel_mtime != inode.mtime
@@ -234,7 +239,7 @@ class KernelPages:
                 reads.ended.set()
                 reads.ended = None
 
-    async def stale_kernel_pages(self, fh, off, size):
+    async def stale_kernel_pages(self, fh: int, off: int, size: int) -> tuple[int | None, list[tuple[int, int, bool]]]:
         """After a WRITE of ``size`` bytes at ``off`` through ``fh`` is applied: what the
         kernel must drop before the reply: (ino, [(first page, last page,
         may_be_locked)...]), or (None, []) when no read raced the writer."""
@@ -264,7 +269,7 @@ class KernelPages:
 NOTED_SPANS = 16                 # spans kept per handle; more are merged into one
 
 
-def with_span(spans, first, last):
+def with_span(spans: list[tuple[int, int]] | None, first: int, last: int) -> list[tuple[int, int]]:
     """The page spans ``spans`` (disjoint, sorted; None for none) with [first, last] added.
 
     Spans, not their hull: with one hull, reads of pages 0 and 60 named every page
@@ -280,7 +285,7 @@ def with_span(spans, first, last):
     return merged if len(merged) <= NOTED_SPANS else [(merged[0][0], max(hi for _, hi in merged))]
 
 
-def pages_to_drop(first, last, off, size):
+def pages_to_drop(first: int, last: int, off: int, size: int) -> list[tuple[int, int, bool]]:
     """Split the pages [first, last] around the one page a WRITE of ``size`` bytes at
     ``off`` may hold locked: its last page, unless the WRITE covers that whole."""
     end = off + size

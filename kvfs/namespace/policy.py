@@ -19,7 +19,10 @@ file; an OrderedDict was about 100), and a mount's files enter all at once in
 their order through ``load()`` (``tests/unit/test_policy.py`` compares the
 policies with OrderedDict versions of themselves on random histories).
 """
+from __future__ import annotations
+
 import collections
+from typing import Callable, Iterator
 
 from .packedqueue import PackedQueue
 
@@ -29,10 +32,10 @@ MAX_FREQUENCY = 3
 class LRU:
     name = "lru"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._order = PackedQueue()          # least recently used first
 
-    def load(self, order, size_of):
+    def load(self, order: list[int], size_of: Callable[[int], int]) -> None:
         """Enter the files ``order`` lists (least recently used first; sizes from
         ``size_of(ino)``) into an empty policy, as inserts in that order would."""
         assert not len(self), "load() is for a policy that has seen nothing yet"
@@ -44,18 +47,18 @@ class LRU:
     def __len__(self):
         return len(self._order)
 
-    def insert(self, ino, size):
+    def insert(self, ino: int, size: int) -> None:
         self._order.push(ino, size)
 
-    def access(self, ino):
+    def access(self, ino: int) -> None:
         size = self._order.get(ino)
         if size is not None:
             self._order.push(ino, size)
 
-    def remove(self, ino):
+    def remove(self, ino: int) -> None:
         self._order.remove(ino)
 
-    def victims(self):
+    def victims(self) -> Iterator[int]:
         """Least recently used first, one pass; a file the evictor skips (open, dirty,
         pinned) goes to the back, as if just used."""
         for _ in range(len(self._order)):
@@ -70,7 +73,7 @@ class S3FIFO:
     name = "s3fifo"
     SMALL_SHARE = 0.1          # of the bytes tracked, the small FIFO's target
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._small = PackedQueue()                   # oldest first
         self._main = PackedQueue()
         self._ghost = collections.OrderedDict()       # ino -> None: evicted from small, recently
@@ -80,7 +83,7 @@ class S3FIFO:
         self._freq = {}
         self._small_bytes = self._main_bytes = 0
 
-    def load(self, order, size_of):
+    def load(self, order: list[int], size_of: Callable[[int], int]) -> None:
         """Enter the files ``order`` lists (oldest first; sizes from ``size_of(ino)``)
         into an empty policy, as inserts in that order would."""
         assert not len(self) and not self._ghost, "load() is for a policy that has seen nothing yet"
@@ -93,7 +96,7 @@ class S3FIFO:
     def __len__(self):
         return len(self._small) + len(self._main)
 
-    def insert(self, ino, size):
+    def insert(self, ino: int, size: int) -> None:
         self.remove(ino)
         if ino in self._ghost:                # evicted while new, and back: it is wanted
             del self._ghost[ino]
@@ -103,11 +106,11 @@ class S3FIFO:
             self._small.push(ino, size)
             self._small_bytes += size
 
-    def access(self, ino):
+    def access(self, ino: int) -> None:
         if ino in self:
             self._freq[ino] = min(self._freq.get(ino, 0) + 1, MAX_FREQUENCY)
 
-    def remove(self, ino):
+    def remove(self, ino: int) -> None:
         size = self._small.remove(ino)
         if size is not None:
             self._small_bytes -= size
@@ -122,7 +125,7 @@ class S3FIFO:
         while len(self._ghost) > max(len(self._main), 64):
             self._ghost.popitem(last=False)
 
-    def victims(self):
+    def victims(self) -> Iterator[int]:
         """Yield files to evict; promotions and second chances happen as the walk goes.
 
         Bounded: every step either yields a file or lowers a frequency, so the
@@ -165,7 +168,7 @@ class NoEviction:
 
     name = "none"
 
-    def load(self, order, size_of):
+    def load(self, order: list[int], size_of: Callable[[int], int]) -> None:
         pass
 
     def __contains__(self, ino):
@@ -174,16 +177,16 @@ class NoEviction:
     def __len__(self):
         return 0
 
-    def insert(self, ino, size):
+    def insert(self, ino: int, size: int) -> None:
         pass
 
-    def access(self, ino):
+    def access(self, ino: int) -> None:
         pass
 
-    def remove(self, ino):
+    def remove(self, ino: int) -> None:
         pass
 
-    def victims(self):
+    def victims(self) -> Iterator[int]:
         return iter(())
 
 

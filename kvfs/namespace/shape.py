@@ -1,14 +1,16 @@
 """The shape a loaded namespace must have before the live operations may work on it."""
+from __future__ import annotations
+
 import stat
 from collections import Counter
 from itertools import repeat
 from operator import attrgetter, ne
 
 from ..errors import FormatError
-from .inodes import ROOT_INO
+from .inodes import ROOT_INO, Inode
 
 
-def check_shape(inodes):
+def check_shape(inodes: dict[int, Inode]) -> None:
     """FormatError unless the loaded namespace is a tree that the live operations can work on.
 
     Mount calls this after replay (fsck does not: it reports and repairs the same
@@ -69,7 +71,7 @@ def _directories_form_a_tree(inodes, directories, names, subdirs_of):
         for d in directories)
 
 
-def explain_shape(inodes):
+def explain_shape(inodes: dict[int, Inode]) -> None:
     """FormatError naming the first defect :func:`check_shape` refuses: a walk of every inode and entry."""
     S_ISDIR = stat.S_ISDIR
     root = inodes.get(ROOT_INO)

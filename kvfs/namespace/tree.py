@@ -25,7 +25,7 @@ cache; fsck loads a tree with no cache (``cache`` None): nothing is pinned.
 import logging
 import stat
 from stat import S_IFDIR, S_IFREG
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from .. import schema
 from ..base.sharedints import shared
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class Tree:
     journal: JournalPort
 
-    def __init__(self, journal: JournalPort, now, cache: Optional[BlockCache] = None):
+    def __init__(self, journal: JournalPort, now: Callable[[], int], cache: Optional[BlockCache] = None) -> None:
         self.journal, self.cache = journal, cache
         self.now = now
         self.inodes = {}           # durable inodes
@@ -62,7 +62,7 @@ class Tree:
         self.committed_bytes = 0   # sum of the regular files' recorded content sizes
 
     # -- lookups --------------------------------------------------------------
-    def inode(self, ino):
+    def inode(self, ino: int) -> Inode:
         inode = self.inodes.get(ino) or self.orphans.get(ino)
         if inode is None:
             raise NotFound()
@@ -73,14 +73,15 @@ class Tree:
             raise Stale("the file was evicted")
         return inode
 
-    def dir(self, ino):
+    def dir(self, ino: int) -> Inode:
         inode = self.inode(ino)
         if not inode.is_dir:
             raise NotADirectory()
         return inode
 
     # -- load and snapshot ------------------------------------------------------
-    def load(self, state, records, *, skip_failures=False, consume=False):
+    def load(self, state: schema.CheckpointState, records: list[Any], *, skip_failures: bool = False,
+             consume: bool = False) -> int:
         """Build the tree from a CheckpointState and the replayed records.
 
         With ``skip_failures`` (fsck salvaging a damaged store) a record that
@@ -192,16 +193,16 @@ class Tree:
             self.content.forget(self.inodes.pop(ino))
         log.info("dropped %d file(s) created but never closed or fsynced before the crash", len(doomed))
 
-    def cut(self):
+    def cut(self) -> TreeCut:
         """Take a copy-on-write cut for a checkpoint (kvfs/namespace/cut.py); ``end_cut`` ends it."""
         assert self._cut is None, "one checkpoint at a time"
         self._cut = TreeCut(self)
         return self._cut
 
-    def end_cut(self):
+    def end_cut(self) -> None:
         self._cut = None
 
-    def preserve(self, inode):
+    def preserve(self, inode: Inode) -> None:
         """Called before a durable field of ``inode`` changes (the cut keeps the old value)."""
         if self._cut is not None:
             self._cut.preserve(inode)
@@ -211,14 +212,14 @@ class Tree:
             self._cut.preserve(directory)
             self._cut.preserve_name(directory, name)
 
-    def snapshot(self):
+    def snapshot(self) -> schema.CheckpointState:
         """The namespace's part of a CheckpointState, synchronously (fsck; checkpoints use ``cut``).
 
         A cut built at once, with nothing changing meanwhile, is exactly that state."""
         return TreeCut(self, listed_now=True).build()
 
     # -- record application (shared by live operations and replay) ----------
-    def apply(self, rec):
+    def apply(self, rec: Any) -> None:
         """Apply one record. A record that cannot apply to this tree (an unknown inode, a
         name that is taken or missing, a directory moved into itself) raises FormatError
         before anything changes: replay of a damaged or crafted journal stops there."""
@@ -382,7 +383,7 @@ class Tree:
         else:
             self.destroy(inode)
 
-    def destroy(self, inode):
+    def destroy(self, inode: Inode) -> None:
         """Nothing refers to the inode any more: let go of its live content."""
         self.orphans.pop(inode.ino, None)
         if inode.data is not None and not self.loading:
@@ -392,7 +393,7 @@ class Tree:
         if self.cache is not None:
             self.cache.release(data)
 
-    def maybe_destroy(self, inode):
+    def maybe_destroy(self, inode: Inode) -> None:
         if inode.ino in self.orphans and not inode.lookups and not inode.opens:
             self.destroy(inode)
 
@@ -405,10 +406,10 @@ class Tree:
         inode.size_committed = shared(size)
         self.content.committed(inode)
 
-    def content_owners(self, key):
+    def content_owners(self, key: bytes) -> set[int] | tuple[int, ...]:
         return self.content.owners(key)
 
-    def has_copies(self, inode):
+    def has_copies(self, inode: Inode) -> bool:
         """Whether another file holds ``inode``'s committed content (builds the index, without yielding)."""
         self.content.ready_now()
         return len(self.content.owners(self.content.key(inode))) > 1
@@ -421,11 +422,11 @@ class Tree:
             cost += sum(DIR_ENTRY_COST + len(name) for name in inode.entries.names())
         return cost
 
-    def recount_metadata(self):
+    def recount_metadata(self) -> int:
         """The running count recomputed from scratch (tests compare the two)."""
         return sum(self._inode_cost(i) for i in self.inodes.values())
 
-    def metadata_bytes(self):
+    def metadata_bytes(self) -> int:
         """Estimated (upper bound) checkpoint size of the durable state."""
         return self._meta_bytes + INDEX_BLOCK_COST * self.journal.block_count() + 4096
 

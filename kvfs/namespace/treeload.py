@@ -8,16 +8,20 @@ dict update, not a few function calls per file (about 8% of a remount's
 instructions); other rows, and the rows of a list (fsck), one by one. Both
 ways make the same Inodes (the unit tests compare them slot by slot).
 """
+from __future__ import annotations
+
 import stat
 from itertools import islice
 from operator import itemgetter
 from stat import S_IFREG
+from typing import Any, Iterable
 
+from .. import schema
 from ..errors import FormatError
 from .inodes import Inode
 
 
-def load_rows(tree, rows, *, consume):
+def load_rows(tree: Any, rows: Iterable[schema.InodeRow | None], *, consume: bool) -> bool:
     """Enter checkpoint ``rows`` (a list of InodeRows, or a stream) into ``tree.inodes``.
 
     Returns whether some file names a block the index lacks (the tree then

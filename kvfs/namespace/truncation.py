@@ -21,6 +21,11 @@ size, 0, until a write grows the file) or anything writes to the file. The
 old content is a state the file had during that open(), so such a read is
 one the kernel could have made before the truncation.
 """
+from __future__ import annotations
+
+from ..blockcache import FileData
+from ..blockcache.port import CachePort
+from .inodes import Inode
 
 
 class TruncationWindow:
@@ -31,17 +36,17 @@ class TruncationWindow:
     file itself, right after :meth:`keep_old_content`.
     """
 
-    def __init__(self, cache):
+    def __init__(self, cache: CachePort) -> None:
         self.cache = cache
 
-    def keep_old_content(self, inode, fh):
+    def keep_old_content(self, inode: Inode, fh: int) -> None:
         """Called by an O_TRUNC open (``fh``) before it empties ``inode``."""
         self.old_content_done(inode)
         others = inode.opens > 1                 # this open is already counted
         if others and (inode.data.size or inode.data.blocks):
             inode.pre_truncate = (self.cache.snapshot(inode.data), fh)
 
-    def read_source(self, inode, fh):
+    def read_source(self, inode: Inode, fh: int) -> FileData:
         """The FileData a read of ``inode`` through ``fh`` is answered from."""
         if inode.pre_truncate is None:
             return inode.data
@@ -51,7 +56,7 @@ class TruncationWindow:
             return inode.data
         return snapshot
 
-    def old_content_done(self, inode, fh=None):
+    def old_content_done(self, inode: Inode, fh: int | None = None) -> None:
         """The kernel knows of the truncation (a request on ``fh``, the truncating
         descriptor) or the content changes again (``fh`` None): drop the snapshot."""
         held = inode.pre_truncate

@@ -12,28 +12,30 @@ files it owns, may read, and reaches through directories it may search.
 import trio
 
 from ..blockcache import FileData
+from ..blockcache.port import CachePort
 from ..errors import CorruptBlock, NotFound
 from ..schema.port import JournalPort
 from .inodes import ROOT_INO, VIEW_BIT, ViewInode
+from .tree import Tree
 
 
 class ByHashView:
     journal: JournalPort
 
-    def __init__(self, tree, cache, journal: JournalPort):
+    def __init__(self, tree: Tree, cache: CachePort, journal: JournalPort) -> None:
         self.tree = tree
         self.cache, self.journal = cache, journal
         self.views = {}            # view inode number -> ViewInode
         self._view_of = {}         # (content key, source ino) -> view inode number
         self._next_view = 1
 
-    def inode(self, ino):
+    def inode(self, ino: int) -> ViewInode:
         view = self.views.get(ino)
         if view is None:
             raise NotFound()
         return view
 
-    def lookup_all(self, name):
+    def lookup_all(self, name: bytes) -> int:
         """by-hash lookup for a caller that may see every content (root)."""
         key = self._key_of_name(name)
         self.tree.content.ready_now()
@@ -44,7 +46,7 @@ class ByHashView:
         view.lookups += 1
         return view.ino
 
-    async def lookup(self, name, caller):
+    async def lookup(self, name: bytes, caller: tuple[int, int] | None) -> int:
         """Resolve by-hash/<name> for ``caller``: None (sees all) or (uid, gid)."""
         await self.tree.content.ready()
         if caller is None:
@@ -57,7 +59,7 @@ class ByHashView:
         view.lookups += 1
         return view.ino
 
-    async def listing(self, caller):
+    async def listing(self, caller: tuple[int, int] | None) -> list[tuple[bytes, int, int]]:
         """The by-hash entries ``caller`` may see, as (name, view ino, cookie).
 
         Each entry is held until :meth:`release_listing`, so a listing's
@@ -84,7 +86,7 @@ class ByHashView:
             listing.append((key.hex().encode(), view.ino, len(listing) + 1))
         return listing
 
-    def release_listing(self, listing):
+    def release_listing(self, listing: list[tuple[bytes, int, int]]) -> None:
         for _, ino, _ in listing:
             view = self.views.get(ino)
             if view is not None:
@@ -113,7 +115,7 @@ class ByHashView:
             self.views[ino].refresh(source)
         return self.views[ino]
 
-    def maybe_drop(self, view):
+    def maybe_drop(self, view: ViewInode) -> None:
         if not view.opens and view.data is not None:
             self.cache.release(view.data)          # unpins the content's blocks
             view.data = None
@@ -183,13 +185,13 @@ class ByHashView:
             directory = self.tree.inodes.get(directory.parent)
         return False
 
-    def forget(self, ino, count):
+    def forget(self, ino: int, count: int) -> None:
         view = self.views.get(ino)
         if view is not None:
             view.lookups = max(0, view.lookups - count)
             self.maybe_drop(view)
 
-    def open_data(self, view):
+    def open_data(self, view: ViewInode) -> FileData:
         """The immutable content of a by-hash entry: exactly what its key names, or ENOENT if it is gone."""
         if view.data is None:
             source = self.tree.inodes.get(view.source)
