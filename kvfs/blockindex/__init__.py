@@ -83,7 +83,7 @@ class IndexStatistics:
 
 class BlockIndex:
     def __init__(self, store: StorePort, hash_limiter: trio.CapacityLimiter | None = None, *,
-                 dedup_groups: Any = None, dedup_verify: bool = False) -> None:
+                 dedup_groups: str | list[frozenset[int]] | None = None, dedup_verify: bool = False) -> None:
         self.store = store
         self.domains = DedupDomains(store.key_secret, dedup_groups)
         self.dedup_verify = dedup_verify
