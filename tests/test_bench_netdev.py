@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from benchruns import interrupt_once_running
+
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 BENCH = TOOLS / "kvfs-bench"
 MiB = 1 << 20
@@ -146,27 +148,9 @@ def test_netdev_reports_every_figure_and_tears_down(tmp_path):
 def test_netdev_interrupted_still_tears_down(tmp_path):
     """Ctrl-C while the filesystems are in use leaves no mount, loop device or daemon behind."""
     pytest.importorskip("torch")
-    proc = subprocess.Popen([sys.executable, str(BENCH), "netdev", "--latency-us", "100", "--chunks", "4",
-                             "--chunk-mib", "4", "--repeat", "3", "--dev-size", "512M", "--no-lmcache",
-                             "--workdir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        for line in proc.stderr:  # wait until the filesystems are up and in use
-            if "repeat 1: " in line:
-                break
-        else:
-            pytest.fail("netdev never started its first run")
-        assert leftovers(tmp_path), "expected mounts, loop devices and daemons while it runs"
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT, err
-    assert "interrupted" in err
+    interrupt_once_running([BENCH, "netdev", "--latency-us", "100", "--chunks", "4", "--chunk-mib", "4",
+                            "--repeat", "3", "--dev-size", "512M", "--no-lmcache", "--workdir", tmp_path],
+                           ["repeat 1: "], lambda: leftovers(tmp_path))
     assert leftovers(tmp_path) == []
     assert list(tmp_path.iterdir()) == []
 

@@ -5,13 +5,13 @@ These tests use tiny chunks and assert on shape and sanity, never on speed.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from benchruns import interrupt_once_running
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 BENCH = TOOLS / "kvfs-bench"
@@ -213,30 +213,9 @@ def test_softpath_reports_every_figure_and_tears_down(tmp_path):
 def test_softpath_interrupted_still_tears_down(tmp_path):
     """Ctrl-C in the middle of a run leaves no mount and no loop device behind."""
     pytest.importorskip("torch")
-    # Ctrl-C's default action for the bench, whatever this test inherited: a
-    # shell without job control starts background jobs (`nohup ... &`) with
-    # SIGINT ignored, exec keeps it ignored, and Python then installs no
-    # KeyboardInterrupt handler, so the bench ran on to its end.
-    proc = subprocess.Popen([sys.executable, str(BENCH), "softpath", "--files", "8", "--file-mib", "4",
-                             "--repeat", "3", "--workdir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        for line in proc.stderr:  # wait until the filesystems are up and in use
-            if "repeat 1/3: kvfs" in line or "repeat 1/3: ext4" in line:
-                break
-        else:
-            pytest.fail("softpath never started its first run")
-        assert leftovers(tmp_path), "expected mounts while it runs"
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT, err
-    assert "interrupted" in err
+    interrupt_once_running([BENCH, "softpath", "--files", "8", "--file-mib", "4", "--repeat", "3",
+                            "--workdir", tmp_path], ["repeat 1/3: kvfs", "repeat 1/3: ext4"],
+                           lambda: leftovers(tmp_path))
     assert_torn_down(tmp_path)
 
 
