@@ -16,7 +16,6 @@ byte comparison on every dedup hit, for operators who want more than a keyed
 128-bit hash.
 
 Each entry counts two kinds of users:
-
 ``refs``  references from *durable* file contents, i.e. from content records in
           the journal or checkpoint. Only record application changes them, so
           replay reproduces them exactly.
@@ -28,9 +27,8 @@ An entry is dropped, and its extent freed, when both reach zero. The extent
 store delays reuse of the extent until the freeing record is durable.
 
 The block cache above uses the index for block bytes, pins and reservations.
-The namespace holds it directly as its journal port (kvfs/schema/port.py):
-records, commits and checkpoints pass on to the store, references and space
-are answered here.
+The namespace holds it as its journal port (kvfs/schema/port.py): records,
+commits and checkpoints pass on to the store; references and space are here.
 """
 from __future__ import annotations
 
@@ -51,34 +49,10 @@ from ..errors import CorruptBlock, DedupCollision, FormatError, KvfsError, NoSpa
 from ..store.port import BlockCheck, StoreCut, StorePort
 from .cut import IndexCut
 from .domains import DedupDomains
+from .entries import BlockEntry, IndexStatistics
 from .runs import RUN_WINDOW_BLOCKS, RunHint, run_position
 
 log = logging.getLogger(__name__)
-
-
-class BlockEntry:
-    # ``key`` is the entry's own key object, so that files loaded from a
-    # checkpoint can share it (stored_keys) instead of each keeping the copy
-    # msgpack decoded for them: 64 bytes a block. The slot is free: the
-    # object stays in the same 80-byte allocator size class.
-    __slots__ = ("off", "length", "refs", "pins", "domain", "key")
-
-    def __init__(self, off: int, length: int, refs: int = 0, pins: int = 0, domain: int = 0, key: bytes | None = None) -> None:
-        self.off, self.length, self.refs, self.pins = off, length, refs, pins
-        self.domain, self.key = domain, key
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexStatistics:
-    unique_blocks: int
-    used_bytes: int
-    blocks_written: int
-    data_bytes_written: int
-    dedup_hits: int
-    corrupt_reads: int
-    reserved_bytes: int
-    dedup_verify_reads: int
-    dedup_collisions: int
 
 
 class BlockIndex:
@@ -395,6 +369,17 @@ class BlockIndex:
         placement of the blocks beside it in its file goes by (:meth:`store_blocks`)."""
         e = self.entries.get(key)
         return None if e is None else e.off
+
+    def placements(self, keys: Sequence[bytes | None]) -> list[tuple[int, int, bytes, bytes] | None] | None:
+        """Per key its (offset, length, key, salt) for a reader outside the index (the native
+        read plane verifies with the same key and salt), None for a hole; None if one is not stored."""
+        out = []
+        for key in keys:
+            e = None if key is None else self.entries.get(key)
+            if key is not None and e is None:
+                return None
+            out.append(None if e is None else (e.off, e.length, key, self._check(key, e.length, e.domain).salt))
+        return out
 
     def _claim(self, key, length, hint=None):
         """An extent for a new block, marked as being written (flushes of the same bytes wait).
