@@ -86,6 +86,15 @@ class BlockCache(ReadSide, WriteBack):
     def block_size(self) -> int:
         return self.bs
 
+    def stored_extents(self, filedata: FileData) -> list[tuple[int, int, bytes, bytes] | None] | None:
+        """Where a file's blocks lie, for a reader outside Python (the native read plane):
+        None unless every block is a hole or a stored key (none dirty, none failed)."""
+        if filedata.dirty_count or filedata.failed:
+            return None
+        if any(not (b is None or isinstance(b, bytes)) for b in filedata.blocks):
+            return None
+        return self.index.placements(filedata.blocks)
+
     def statistics(self) -> CacheStatistics:
         s = self._s
         backlog = len(self._dirty) * self.bs       # dirty buffers not yet on the device

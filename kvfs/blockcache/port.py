@@ -10,7 +10,7 @@ namespace owns and passes in on every call; the cache knows no inodes or
 names. Errors are :mod:`kvfs.errors` types (a FileData whose flush failed
 raises its ``failed`` error on read and write).
 """
-from typing import Awaitable, ContextManager, Protocol, Union
+from typing import Awaitable, ContextManager, Optional, Protocol, Union
 
 from ..base.aligned import Buffer
 from .filedata import FileData
@@ -34,6 +34,8 @@ class CachePort(Protocol):
     def truncate(self, filedata: FileData, size: int) -> Awaitable[None]: ...
     def flush_file(self, filedata: FileData) -> Awaitable[None]: ...     # every block written so far stored
     def flush_all(self) -> Awaitable[None]: ...
+    # Per block (device offset, length, key, salt) or None for a hole; None if a block is not on the device.
+    def stored_extents(self, filedata: FileData) -> Optional[list[Optional[tuple[int, int, bytes, bytes]]]]: ...
 
     # The clean cache and prefetch: how many blocks of the window were not cached.
     def prefetch_on_open(self, filedata: FileData) -> int: ...

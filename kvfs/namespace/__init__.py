@@ -80,6 +80,7 @@ class Namespace(Durability, KernelPages):
         self._cut_limiter = trio.CapacityLimiter(1)       # a checkpoint's rows, off the event loop
         self._checkpoint_stats = {"cut_ms_max": 0.0, "last_ms": 0.0, "rows_built_off_loop": 0, "rows_saved_on_loop": 0}
         self._space_wanted = trio.Event()
+        self.content_watcher = None    # told an inode number on a content change, last close (pagecache.py)
 
     def load(self, state: schema.CheckpointState, records: list[Any]) -> None:
         """Build the namespace from a CheckpointState (its blocks already in the index) and records."""
@@ -399,15 +400,10 @@ class Namespace(Durability, KernelPages):
             return fh, True, keep
         if not writable:
             self.evictor.accessed(inode)
-            if not self.pages_filled(inode):       # else the kernel holds them all: nothing to fetch
+            # Not when the kernel holds every page, nor when the native plane will serve the READs.
+            if not self.pages_filled(inode) and not (self.content_watcher and self._native_ready(self.handles[fh])):
                 self.handles[fh].cold_blocks = self.cache.prefetch_on_open(inode.data)
         return fh, False, keep
-
-    def _content_changed(self, inode, now):
-        self.tree.preserve(inode)              # a checkpoint being built keeps the old times
-        self._mark_unsealed(inode)
-        inode.content_version += 1
-        inode.mtime = inode.ctime = now
 
     def handle(self, fh: int) -> Handle:
         try:
@@ -458,6 +454,8 @@ class Namespace(Durability, KernelPages):
             inode.writers -= 1
             if inode.writers == 0:
                 self._schedule_seal(inode)
+        if not inode.opens and self.content_watcher is not None:
+            self.content_watcher(inode.ino)
         self.tree.maybe_destroy(inode)
         self.idle.shed_if_idle(inode)
 

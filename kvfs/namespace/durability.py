@@ -15,6 +15,7 @@ import time
 import trio
 
 from .. import schema
+from ..base.crashpoints import stallpoint
 from ..base.gcpolicy import collections_paused, release_off_loop
 from ..base.gilpolicy import loop_first
 from ..errors import Fenced, JournalFull, KvfsError, NoSpace, SpaceAwaitsCommit
@@ -54,6 +55,7 @@ class Durability:
     async def checkpoint(self) -> None:
         """Write the whole state as a checkpoint (which empties the journal)."""
         async with self._durability_lock:
+            stallpoint("checkpoint")
             await self._checkpoint_locked()
 
     async def checkpoint_unless_folded(self) -> bool:
@@ -140,6 +142,14 @@ class Durability:
     # content_dirty is set only by _mark_unsealed, so the seal scans visit the
     # files it names instead of every inode: at a million files a scan of all
     # of them held the event loop about 0.1 s, every commit_interval.
+    def _content_changed(self, inode, now):
+        if self.content_watcher is not None:
+            self.content_watcher(inode.ino)    # before the change is answered: see pagecache.py
+        self.tree.preserve(inode)              # a checkpoint being built keeps the old times
+        self._mark_unsealed(inode)
+        inode.content_version += 1
+        inode.mtime = inode.ctime = now
+
     def _mark_unsealed(self, inode):
         inode.content_dirty = True
         self._unsealed[inode.ino] = inode

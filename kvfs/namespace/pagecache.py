@@ -78,7 +78,8 @@ from typing import ContextManager
 
 import trio
 
-from .inodes import Inode
+from .inodes import Handle, Inode
+from .port import NativeExtents
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 READS_SETTLE_WAIT_S = 5.0        # a WRITE waits this long at most for the reads that raced it
@@ -139,6 +140,29 @@ class KernelPages:
                 or inode.pre_truncate is not None or inode.data.failed):
             return 0
         return min(inode.size, most)
+
+    # -- readers outside Python: the native read plane (kvfs/fuse/readplane.c) ----
+    # It answers READs of a published file from the device, verifying every
+    # block against its key. ``content_watcher`` (set by the FUSE layer) is told
+    # the inode number on every content change (Durability._content_changed)
+    # and at the last close, before either is answered; it withdraws the file.
+
+    def _native_ready(self, h: Handle) -> bool:
+        """Whether every READ through ``h`` may be answered from the device under the file's keys."""
+        inode = h.inode
+        return not (h.view or h.writable or inode.writers or inode.page_writers or inode.content_dirty
+                    or inode.pre_truncate is not None or inode.data.failed or inode.data.dirty_count)
+
+    def native_extents(self, fh: int) -> NativeExtents | None:
+        """The file open at ``fh`` as it lies on the device, or None if a READ of it needs Python."""
+        h = self.handles.get(fh)
+        if h is None or not self._native_ready(h):
+            return None
+        inode = h.inode
+        blocks = self.cache.stored_extents(inode.data)
+        if blocks is None:
+            return None
+        return NativeExtents(inode.ino, inode.content_version, inode.data.size, self.block_size, blocks)
 
     def views_held(self) -> ContextManager[None]:
         """Views that :meth:`read` returns inside stay valid (BlockCache.views_held)."""

@@ -22,6 +22,21 @@ class SpaceFigures:
     block_size: int
 
 
+@dataclasses.dataclass(frozen=True)
+class NativeExtents:
+    """What :meth:`NamespacePort.native_extents` answers: a sealed file as it lies on the device.
+
+    ``blocks``: per block in file order (device offset, length, key, salt), or
+    None for a hole; blocks past the list up to ``size`` are holes too.
+    ``generation`` is the inode's content version: any change makes a new one.
+    """
+    ino: int
+    generation: int
+    size: int
+    block_size: int
+    blocks: list
+
+
 class NamespacePort(Protocol):
     block_size: int                  # fixed by mkfs
 
@@ -59,6 +74,12 @@ class NamespacePort(Protocol):
     def page_fill_size(self, fh: int, most: int) -> int: ...
     def page_fill_done(self, fh: int, size: int) -> None: ...
     def stale_kernel_pages(self, fh: int, off: int, size: int) -> Awaitable[Any]: ...
+
+    # Readers outside Python (the native read plane): a sealed file's blocks on the
+    # device, and the callback told an inode number when they stop being what a
+    # read sees (any content change, the last close), before that change is answered.
+    def native_extents(self, fh: int) -> Optional[NativeExtents]: ...
+    content_watcher: Optional[Any]
 
     # The by-hash view.
     def lookup_view(self, name: bytes, caller: Any) -> Awaitable[int]: ...   # counts one lookup; NotFound
