@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import NoReturn, Optional
 
 from ..errors import InvalidArgument
@@ -124,3 +125,43 @@ def die(name: str) -> NoReturn:
     except (OSError, ValueError):
         pass                    # stderr closed: the log record is what the test reads
     os._exit(EXIT_CODE)
+
+
+# -- stall points: the calling thread (the event loop) blocks until the test lets it go --
+# ``KVFS_TEST_STALL=name:DIR``: at the first arrival at stall point ``name`` the
+# daemon creates DIR/stalled, then blocks the calling thread, on purpose, until
+# DIR/release exists. tests/test_native_reads.py stalls the event loop in a
+# checkpoint this way to show that the native read plane answers meanwhile.
+STALL_ENV = "KVFS_TEST_STALL"
+STALL_POINTS = {
+    "checkpoint": "Durability.checkpoint: the event loop blocks before the checkpoint is cut "
+                  "(a checkpoint that takes long)",
+}
+_stall: Optional[tuple[str, str]] = None
+
+
+def arm_stall_from_environment() -> None:
+    """Arm what $KVFS_TEST_STALL names; InvalidArgument for a bad value."""
+    global _stall
+    text = os.environ.get(STALL_ENV)
+    if not text:
+        _stall = None
+        return
+    name, sep, where = text.partition(":")
+    if name not in STALL_POINTS or not sep or not os.path.isdir(where):
+        raise InvalidArgument(f"{STALL_ENV}={text!r}: expected POINT:DIR with POINT one of "
+                              f"{', '.join(sorted(STALL_POINTS))} and DIR an existing directory")
+    _stall = (name, where)
+
+
+def stallpoint(name: str) -> None:
+    """Block here, once, if ``name`` is the armed stall point (see STALL_ENV)."""
+    global _stall
+    if _stall is None or _stall[0] != name:
+        return
+    where = _stall[1]
+    _stall = None
+    log.warning("stall point %r reached (%s): blocking until %s/release exists", name, STALL_ENV, where)
+    open(os.path.join(where, "stalled"), "w").close()
+    while not os.path.exists(os.path.join(where, "release")):
+        time.sleep(0.01)
