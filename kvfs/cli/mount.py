@@ -30,7 +30,7 @@ IGNORED_OPTIONS = {"rw", "defaults", "auto", "noauto", "nouser", "user", "users"
                    "suid", "nosuid", "exec", "noexec", "atime", "noatime", "relatime", "_netdev",
                    "nofail", "async", "default_permissions"}
 SIZE_OPTIONS = {"cache_size", "dirty_limit"}
-INT_OPTIONS = {"read_depth", "flush_workers", "max_tasks", "read_ahead_kb"}
+INT_OPTIONS = {"read_depth", "flush_workers", "max_tasks", "read_ahead_kb", "native_threads"}
 FLAG_OPTIONS = {"allow_other", "force"}
 # The shortest commit interval: below it the commit loop would spin (0 was a busy
 # loop at 89% CPU) and group commit stops grouping anything.
@@ -125,7 +125,7 @@ def parse_options(text):
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
                                               "low_watermark", "eviction_policy", "metrics_port",
                                               "metrics_addr", "io_retry", "io_timeout", "dedup_groups", "dedup_verify",
-                                              "mmp_interval", "page_fill", "request_poll"}
+                                              "mmp_interval", "page_fill", "request_poll", "native_reads"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -163,7 +163,7 @@ def parse_options(text):
                 if value not in ("off", "bytes"):
                     raise ValueError("(use off or bytes)")
                 opts.dedup_verify = value == "bytes"
-            elif name in ("page_fill", "request_poll"):
+            elif name in ("page_fill", "request_poll", "native_reads"):
                 if value not in ("on", "off"):
                     raise ValueError("(use on or off)")
                 setattr(opts, name, value == "on")
@@ -301,7 +301,7 @@ def main(argv):
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
-                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), "
+                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default on), native_threads=N, "
                       "high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "io_timeout=SECONDS (default 60, longer than io_retry), "
@@ -321,6 +321,7 @@ def main(argv):
         p.error("expected [DEVICE] MOUNTPOINT")
     options, log_path = parse_options(",".join(args.options))
     crashpoints.arm_from_environment()          # a test hook: refuses a bad $KVFS_TEST_CRASH
+    crashpoints.arm_stall_from_environment()    # another: refuses a bad $KVFS_TEST_STALL
     options.force = options.force or args.force
     settings = mmp_settings(options)
     mountpoint = os.path.abspath(args.paths[-1])

@@ -24,6 +24,7 @@ from ..errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, N
                      NotSupported)
 from ..namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
 from ..namespace.port import NamespacePort
+from .frontend import NativeReads
 from .pagedrops import KernelPageDropper
 from .pagefill import FILL_MOST, PageFiller
 
@@ -115,6 +116,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._results: dict[int, bytes] = {}     # caller pid -> JSON answer of its last control command
         self.page_dropper: Optional[KernelPageDropper] = None    # once mounted (kvfs/fuse/pagedrops.py)
         self.page_filler: Optional[PageFiller] = None            # once mounted (kvfs/fuse/pagefill.py)
+        self.native: Optional[NativeReads] = None                # the native read plane (kvfs/fuse/frontend.py)
         self.kernel_reads = 0            # READ requests from the kernel (page fills are not among them)
         self.kernel_lookups = 0          # LOOKUP and GETATTR requests: what the kernel could not answer
         self.kernel_getattrs = 0         # from its caches (see ENTRY_TIMEOUT)
@@ -298,12 +300,27 @@ class KvfsOperations(pyfuse3.Operations):
 
     def _open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         # uid 0 stands in for CAP_FSETID (FUSE does not pass capabilities).
+        if self.native is not None and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            # A writer's READs must reach the namespace, which tracks the pages a
+            # page-cache writer's reads refetch (kvfs/namespace/pagecache.py).
+            self.native.withdraw(inode)
         fh, direct_io, keep_cache = self.ns.open(inode, flags, privileged=ctx.uid == 0)
+        if self.native is not None:
+            self._publish(fh)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+
+    def _publish(self, fh: int) -> None:
+        """Let the native read plane answer this file's READs, if the namespace says it may."""
+        extents = self.ns.native_extents(fh)
+        if extents is not None:
+            self.native.publish(extents.ino, extents.generation, extents.size, extents.block_size,
+                                extents.blocks)
 
     @_errno_mapped
     async def read(self, fh: FileHandleT, off: int, size: int) -> Buffer:
         self.kernel_reads += 1
+        if self.native is not None:
+            self._publish(fh)          # sealed since its open: the next READs need no Python
         return await self.ns.read(fh, off, size)
 
     @_errno_mapped

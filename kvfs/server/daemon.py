@@ -20,6 +20,7 @@ import trio
 
 from ..base.gcpolicy import FreezeAfterFullCollections
 from ..errors import Fenced, InvalidArgument, KvfsError
+from ..fuse.frontend import NativeReads
 from ..fuse.loop import RequestWait
 from ..fuse.ops import KvfsOperations
 from ..fuse.pagedrops import KernelPageDropper
@@ -57,6 +58,8 @@ class MountOptions:
     mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
     page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/fuse/pagefill.py)
     request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuse/loop.py)
+    native_reads: bool = True         # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py)
+    native_threads: int = 4           # its threads, each on its own /dev/fuse descriptor
 
     force: bool = False               # take over a store whose MMP record is in use, without waiting
 
@@ -105,6 +108,7 @@ class Daemon:
         self._page_filler = None
         self._request_wait = None       # kvfs/fuse/loop.py, once pyfuse3 is initialised
         self._ops = None                # the KvfsOperations being served
+        self._native = None             # kvfs/fuse/frontend.py's NativeReads, with native_reads on
 
     def stats(self):
         stats = self._ops_stats.extend(self.fs.stats())
@@ -119,7 +123,7 @@ class Daemon:
         stats["kernel_lookup_requests"] = ops.kernel_lookups if ops is not None else 0
         stats["kernel_getattr_requests"] = ops.kernel_getattrs if ops is not None else 0
         stats["kernel_entry_invalidations"] = ops.entry_invalidations if ops is not None else 0
-        for kernel_pages in (self._page_dropper, self._page_filler, self._request_wait):
+        for kernel_pages in (self._page_dropper, self._page_filler, self._request_wait, self._native):
             if kernel_pages is not None:
                 stats.update(dataclasses.asdict(kernel_pages.statistics()))
         return stats
@@ -188,12 +192,19 @@ class Daemon:
         if self.options.allow_other:
             fuse_options.add("allow_other")
         ops = self._ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
-        pyfuse3.init(ops, self.mountpoint, fuse_options)
+        native = self._native = self._mount_native(ops, fuse_options)
         self.fs.ns.evictor.entry_removed = ops.entry_removed       # eviction tells the kernel
-        ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
-        if self._page_dropper is not None and self.options.request_poll:
-            self._request_wait = RequestWait.install(self._page_dropper.fd)
-        if self._page_dropper is not None and self.options.page_fill:
+        if native is not None:
+            ops.page_dropper = self._page_dropper = KernelPageDropper(native.dev_fd)
+            session_fd = native.session_fd
+        else:
+            ops.page_dropper = self._page_dropper = KernelPageDropper.of_this_process()
+            session_fd = None if self._page_dropper is None else self._page_dropper.fd
+        if session_fd is not None and self.options.request_poll:
+            self._request_wait = RequestWait.install(session_fd)
+        # The native plane answers READs itself: filling the page cache at open
+        # would read every file through Python first (about 1 CPU-s/GB).
+        if self._page_dropper is not None and self.options.page_fill and native is None:
             ops.page_filler = self._page_filler = PageFiller(self._page_dropper.fd, self._page_dropper,
                                                              self.fs.ns.block_size)
         unmounted = False
@@ -204,6 +215,8 @@ class Daemon:
                 await nursery.start(self.fs.ns.run, self.options.commit_interval)
                 nursery.start_soon(self.fs.store.keep_heartbeat)
                 nursery.start_soon(self._watch_signals)
+                if native is not None:
+                    nursery.start_soon(self._watch_connection_end, native)
                 if self.fs.replayed.get("records"):
                     try:
                         await self.fs.ns.checkpoint()      # fold the replayed journal away
@@ -214,7 +227,7 @@ class Daemon:
                 nursery.start_soon(self._after_mount, ready)
                 await pyfuse3.main(min_tasks=4, max_tasks=self.options.max_tasks)
                 self._begin_stop()
-                pyfuse3.close(unmount=True)
+                self._unmount()
                 unmounted = True
                 if self.fs.fenced:
                     raise Fenced(f"unmounted without writing back what was not yet on the device: "
@@ -229,9 +242,41 @@ class Daemon:
                     nursery.cancel_scope.cancel()
         finally:
             if not unmounted:
-                pyfuse3.close(unmount=True)
+                self._unmount()
             self._end_ops()
             self._gc.uninstall()
+
+    def _mount_native(self, ops, fuse_options):
+        """Mount with the native read plane in front of pyfuse3 (None: pyfuse3 mounts alone)."""
+        if not self.options.native_reads or hasattr(self.fs.device, "injected"):
+            # A fault-injecting test device (kvfs/device/testfaults.py) fails reads in
+            # Python; native reads of the same descriptor would not see its faults.
+            pyfuse3.init(ops, self.mountpoint, fuse_options)
+            return None
+        store = self.fs.store
+        native = NativeReads(self.mountpoint, fuse_options, device_fd=os.dup(self.fs.device.fd),
+                             seed=store.hash_seed, secret=store.key_secret, threads=self.options.native_threads)
+        native.mount()
+        try:
+            pyfuse3.init(ops, native.session_path, fuse_options)
+            native.start()
+        except BaseException:
+            native.unmount()
+            raise
+        ops.native = native
+        self.fs.ns.content_watcher = native.withdraw
+        return native
+
+    def _unmount(self):
+        pyfuse3.close(unmount=True)
+        if self._native is not None:
+            self._native.unmount()
+
+    async def _watch_connection_end(self, native):
+        """The kernel ended the connection (umount from outside, an abort): stop as pyfuse3 would."""
+        await native.wait_ended()
+        log.info("the kernel ended the FUSE connection: stopping")
+        await self._stop()
 
     async def _after_mount(self, ready):
         # Runs once pyfuse3.main is serving: stat() of the mountpoint needs the daemon.

@@ -1,0 +1,844 @@
+/* The native read plane: a front end on /dev/fuse that serves READs of sealed
+ * files without Python, beside pyfuse3, which still serves everything else.
+ *
+ * Why. pyfuse3 answers every request from one thread that holds the GIL, so a
+ * cold 1 MiB READ costs a trip through trio, the block cache and a reply
+ * written under the GIL; with an engine reading at several GB/s that thread
+ * is the limit (issue 34). The kernel lets one connection be served from many
+ * threads (cloned /dev/fuse descriptors, FUSE_DEV_IOC_CLONE), and libfuse,
+ * given "/dev/fd/N" as its mount point, uses descriptor N as its device
+ * without mounting anything. So kvfs mounts the filesystem itself
+ * (kvfs/fuse/frontend.py), gives pyfuse3 one end of a SOCK_SEQPACKET
+ * socketpair as its "device", and this module sits between the two:
+ *
+ *   kernel --/dev/fuse (one descriptor per reader thread)--> reader threads
+ *      READ of a published file: read the blocks, verify each against its
+ *        key (kvfs/device/readcore.c), reply on the descriptor it came from;
+ *      anything else, or any doubt: forward the request bytes, unchanged,
+ *        as one message to pyfuse3.
+ *   pyfuse3 --socket--> relay thread: each reply goes back on the descriptor
+ *      that read its request (the kernel looks a reply up in that
+ *      descriptor's processing list); notifications (unique 0) go on any.
+ *
+ * Publication. Python publishes a file's extents (block size, size, per block
+ * the device offset, length, key and salt) under its inode number, and
+ * withdraws them on any change before that change is answered
+ * (kvfs/fuse/frontend.py, kvfs/namespace). A READ that finds nothing, a
+ * device error or a block that fails its key goes to pyfuse3, which reads
+ * and verifies on its own and answers EIO if the block really is bad: the
+ * native path never answers an error and never wrong bytes.
+ *
+ * Never stalled by Python. Forwarding never blocks a reader thread: when the
+ * socket is full (pyfuse3 busy with a checkpoint), requests queue in memory
+ * for a sender thread, in order, and the readers go on serving READs.
+ *
+ * Shutdown. A reader that gets ENODEV (unmounted, aborted) writes the
+ * "ended" eventfd, which Python waits on to end pyfuse3's loop. stop() wakes
+ * blocked readers with a signal (a read of /dev/fuse is interruptible) and
+ * shuts the socket's read side down for the relay. If the process dies the
+ * descriptors close and the kernel aborts the connection (ENOTCONN), as with
+ * plain pyfuse3.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/fuse.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../device/readcore.h"
+
+/* A request is at most max_write (1 MiB with libfuse's defaults) plus its
+ * headers; the kernel refuses reads into smaller buffers. */
+#define REQUEST_BUFFER ((2u << 20) + 8192u)
+/* A reply from pyfuse3: a READ of up to max_read bytes, or a notification. */
+#define REPLY_BUFFER ((4u << 20) + 8192u)
+#define TABLE_BUCKETS 4096u
+#define HOLE UINT64_MAX                 /* dev_off of a block that is all zeros */
+#define ZERO_CHUNK 65536u
+#define MAX_IOV 1024
+#define WAKE_SIGNAL (SIGRTMIN + 7)
+/* The kernel's unique of an INTERRUPT is the interrupted request's with bit 0
+ * set (FUSE_INT_REQ_BIT in fs/fuse/fuse_i.h, not in the uapi header). */
+#define FUSE_INT_REQ_BIT 1ull      /* interrupts a reader blocked in read() at stop */
+
+static const uint8_t zeros[ZERO_CHUNK];
+
+struct published {
+    struct published *next;
+    uint64_t nodeid, generation, size;
+    uint32_t block_size, nblocks;
+    struct kvfs_block_check blocks[];   /* in file order; dev_off == HOLE: zeros */
+};
+
+struct pending {                        /* a forwarded request that awaits pyfuse3's reply */
+    struct pending *next;
+    uint64_t unique;
+    int fd;
+};
+
+struct queued {                         /* a forwarded request waiting for room in the socket */
+    struct queued *next;
+    size_t len;
+    char data[];
+};
+
+/* Counters: relaxed atomics, read by statistics(). */
+#define COUNTERS(X) \
+    X(requests) X(native_reads) X(native_bytes) X(forwarded_requests) X(forwarded_reads) \
+    X(unpublished_reads) X(native_verify_failures) X(native_device_errors) X(native_reply_errors) \
+    X(forwards_queued) X(forward_errors) X(replies_relayed) X(notifications_relayed) \
+    X(reply_write_errors) X(interrupts_dropped) X(publications) X(withdrawals) X(read_errors)
+#define DECLARE(name) _Atomic uint64_t name;
+
+typedef struct {
+    PyObject_HEAD
+    int dev_fd, sock_fd, device_fd, ended_fd;
+    struct kvfs_key_base keys;          /* the store's seed and key secret */
+    int nthreads;
+    uint16_t max_background;
+    int running;
+    atomic_int stopping;
+    pthread_t *readers;
+    int *fds;                           /* fds[0] = dev_fd, the others cloned from it */
+    pthread_t relay, sender;
+    _Atomic uint64_t init_unique;       /* 0 until the kernel's INIT is seen */
+    atomic_int init_patched;
+    pthread_rwlock_t table_lock;
+    struct published *table[TABLE_BUCKETS];
+    uint64_t published_files;
+    pthread_mutex_t pending_lock;
+    struct pending *pending[TABLE_BUCKETS];
+    pthread_mutex_t queue_lock;
+    pthread_cond_t queue_cond;
+    struct queued *queue_head, *queue_tail;
+    struct { COUNTERS(DECLARE) } n;
+} Plane;
+
+#define COUNT(p, name, v) atomic_fetch_add_explicit(&(p)->n.name, (v), memory_order_relaxed)
+
+static inline unsigned bucket(uint64_t key) { return (unsigned)((key * 0x9E3779B97F4A7C15ull) >> 52) % TABLE_BUCKETS; }
+
+/* -- forwarded requests: which descriptor a reply goes back on ------------ */
+
+static void pending_put(Plane *p, uint64_t unique, int fd)
+{
+    struct pending *e = malloc(sizeof *e);
+    if (e == NULL)
+        return;                         /* its reply then goes on dev_fd: at worst ENOENT */
+    e->unique = unique;
+    e->fd = fd;
+    pthread_mutex_lock(&p->pending_lock);
+    e->next = p->pending[bucket(unique)];
+    p->pending[bucket(unique)] = e;
+    pthread_mutex_unlock(&p->pending_lock);
+}
+
+/* The descriptor that read `unique`, removed from the table if `take`; -1 if unknown. */
+static int pending_fd(Plane *p, uint64_t unique, int take)
+{
+    int fd = -1;
+    pthread_mutex_lock(&p->pending_lock);
+    for (struct pending **at = &p->pending[bucket(unique)]; *at; at = &(*at)->next) {
+        if ((*at)->unique == unique) {
+            struct pending *e = *at;
+            fd = e->fd;
+            if (take) {
+                *at = e->next;
+                free(e);
+            }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&p->pending_lock);
+    return fd;
+}
+
+/* -- forwarding to pyfuse3, never blocking a reader ----------------------- */
+
+static void send_to_python(Plane *p, const char *buf, size_t len)
+{
+    pthread_mutex_lock(&p->queue_lock);
+    if (p->queue_head == NULL) {
+        ssize_t r = send(p->sock_fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r == (ssize_t)len) {
+            pthread_mutex_unlock(&p->queue_lock);
+            return;
+        }
+        if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+            COUNT(p, forward_errors, 1);    /* pyfuse3 is gone: nobody will answer */
+            pthread_mutex_unlock(&p->queue_lock);
+            return;
+        }
+    }
+    struct queued *q = malloc(sizeof *q + len);
+    if (q == NULL) {
+        COUNT(p, forward_errors, 1);
+        pthread_mutex_unlock(&p->queue_lock);
+        return;
+    }
+    q->next = NULL;
+    q->len = len;
+    memcpy(q->data, buf, len);
+    if (p->queue_tail)
+        p->queue_tail->next = q;
+    else
+        p->queue_head = q;
+    p->queue_tail = q;
+    COUNT(p, forwards_queued, 1);
+    pthread_cond_signal(&p->queue_cond);
+    pthread_mutex_unlock(&p->queue_lock);
+}
+
+/* Sends queued requests in order: the head leaves the queue only once sent,
+ * so a reader that finds the queue empty cannot overtake it. */
+static void *sender_main(void *arg)
+{
+    Plane *p = arg;
+    pthread_mutex_lock(&p->queue_lock);
+    for (;;) {
+        while (p->queue_head == NULL && !atomic_load(&p->stopping))
+            pthread_cond_wait(&p->queue_cond, &p->queue_lock);
+        if (p->queue_head == NULL)
+            break;
+        struct queued *q = p->queue_head;
+        pthread_mutex_unlock(&p->queue_lock);
+        ssize_t r;
+        do
+            r = send(p->sock_fd, q->data, q->len, MSG_NOSIGNAL);
+        while (r < 0 && errno == EINTR && !atomic_load(&p->stopping));
+        if (r != (ssize_t)q->len)
+            COUNT(p, forward_errors, 1);
+        pthread_mutex_lock(&p->queue_lock);
+        p->queue_head = q->next;
+        if (p->queue_head == NULL)
+            p->queue_tail = NULL;
+        free(q);
+    }
+    pthread_mutex_unlock(&p->queue_lock);
+    return NULL;
+}
+
+static void forward(Plane *p, int fd, const char *buf, size_t len)
+{
+    const struct fuse_in_header *in = (const void *)buf;
+    COUNT(p, forwarded_requests, 1);
+    if (len >= sizeof *in) {
+        if (in->opcode == FUSE_INTERRUPT) {
+            /* Only pyfuse3's own requests can be interrupted there; a native
+             * READ finishes on its own. Forwarding the others would leave
+             * them in libfuse's interrupt list for ever. */
+            const struct fuse_interrupt_in *ii = (const void *)(in + 1);
+            if (len < sizeof *in + sizeof *ii || pending_fd(p, ii->unique, 0) < 0) {
+                COUNT(p, interrupts_dropped, 1);
+                return;
+            }
+        } else if (in->opcode != FUSE_FORGET && in->opcode != FUSE_BATCH_FORGET) {
+            pending_put(p, in->unique, fd);     /* these two have no reply */
+        }
+    }
+    send_to_python(p, buf, len);
+}
+
+/* -- native READs ---------------------------------------------------------- */
+
+struct reader_state {
+    struct kvfs_block_check *checks, *reads;
+    uint8_t **bufs, *ok;
+    uint8_t *data;                      /* 4096-aligned, `capacity` bytes */
+    size_t max_blocks, capacity;
+    struct iovec iov[MAX_IOV];
+};
+
+static int reserve(struct reader_state *s, size_t nblocks, size_t bytes)
+{
+    if (nblocks > s->max_blocks) {
+        void *a = realloc(s->checks, nblocks * sizeof *s->checks);
+        if (a) s->checks = a;
+        void *b = realloc(s->reads, nblocks * sizeof *s->reads);
+        if (b) s->reads = b;
+        void *c = realloc(s->bufs, nblocks * sizeof *s->bufs);
+        if (c) s->bufs = c;
+        void *d = realloc(s->ok, nblocks);
+        if (d) s->ok = d;
+        if (!a || !b || !c || !d)
+            return -1;
+        s->max_blocks = nblocks;
+    }
+    if (bytes > s->capacity) {
+        void *m;
+        if (posix_memalign(&m, KVFS_SECTOR, bytes))
+            return -1;
+        free(s->data);
+        s->data = m;
+        s->capacity = bytes;
+    }
+    return 0;
+}
+
+static struct published *find(Plane *p, uint64_t nodeid)
+{
+    for (struct published *f = p->table[bucket(nodeid)]; f; f = f->next)
+        if (f->nodeid == nodeid)
+            return f;
+    return NULL;
+}
+
+/* Serve a READ natively: 1 if answered, 0 if it must go to pyfuse3. */
+static int serve_read(Plane *p, int fd, const struct fuse_in_header *in, size_t len, struct reader_state *s)
+{
+    const struct fuse_read_in *r = (const void *)(in + 1);
+    if (len < sizeof *in + sizeof *r)
+        return 0;
+    uint64_t off = r->offset, end = r->offset + r->size;
+    uint32_t bs;
+    size_t first = 0, nb = 0;
+
+    pthread_rwlock_rdlock(&p->table_lock);
+    struct published *f = find(p, in->nodeid);
+    if (f == NULL) {
+        pthread_rwlock_unlock(&p->table_lock);
+        COUNT(p, unpublished_reads, 1);
+        return 0;
+    }
+    bs = f->block_size;
+    if (end > f->size)
+        end = f->size;
+    if (end > off) {
+        first = off / bs;
+        nb = (end - 1) / bs - first + 1;
+        if (reserve(s, nb, nb * kvfs_span(bs)) < 0) {
+            pthread_rwlock_unlock(&p->table_lock);
+            return 0;
+        }
+        for (size_t i = 0; i < nb; i++) {
+            if (first + i < f->nblocks) {
+                s->checks[i] = f->blocks[first + i];
+            } else {
+                memset(&s->checks[i], 0, sizeof s->checks[i]);
+                s->checks[i].dev_off = HOLE;    /* trailing holes are implied by the size */
+            }
+        }
+    }
+    pthread_rwlock_unlock(&p->table_lock);
+
+    size_t nreads = 0;
+    for (size_t i = 0; i < nb; i++) {
+        if (s->checks[i].dev_off != HOLE) {
+            s->reads[nreads] = s->checks[i];
+            s->bufs[nreads] = s->data + i * kvfs_span(bs);
+            nreads++;
+        }
+    }
+    if (nreads) {
+        int bad = kvfs_read_verified_keyed(p->device_fd, &p->keys, s->reads, nreads, s->bufs, s->ok);
+        if (bad < 0) {
+            COUNT(p, native_device_errors, 1);
+            return 0;
+        }
+        if (bad > 0) {
+            COUNT(p, native_verify_failures, 1);
+            return 0;
+        }
+    }
+
+    struct fuse_out_header out = {
+        .len = (uint32_t)(sizeof out + (end > off ? end - off : 0)), .error = 0, .unique = in->unique};
+    int n = 0;
+    s->iov[n++] = (struct iovec){&out, sizeof out};
+    for (size_t i = 0; i < nb; i++) {
+        uint64_t start = (uint64_t)(first + i) * bs;
+        uint64_t lo = (off > start ? off : start) - start;
+        uint64_t hi = (end < start + bs ? end : start + bs) - start;
+        uint64_t stored = s->checks[i].dev_off == HOLE ? 0 : s->checks[i].length;
+        if (lo < stored) {              /* bytes that were read and verified */
+            uint64_t upto = hi < stored ? hi : stored;
+            s->iov[n++] = (struct iovec){s->data + i * kvfs_span(bs) + lo, upto - lo};
+            lo = upto;
+        }
+        while (lo < hi) {               /* past a short block's end, or a hole: zeros */
+            if (n >= MAX_IOV)
+                return 0;
+            uint64_t piece = hi - lo < ZERO_CHUNK ? hi - lo : ZERO_CHUNK;
+            s->iov[n++] = (struct iovec){(void *)zeros, piece};
+            lo += piece;
+        }
+        if (n >= MAX_IOV - 1)
+            return 0;
+    }
+    if (writev(fd, s->iov, n) < 0)
+        COUNT(p, native_reply_errors, 1);   /* ENOENT: the caller was interrupted meanwhile */
+    COUNT(p, native_reads, 1);
+    COUNT(p, native_bytes, end > off ? end - off : 0);
+    return 1;
+}
+
+/* -- the threads ------------------------------------------------------------ */
+
+static void signal_ended(Plane *p)
+{
+    uint64_t one = 1;
+    if (write(p->ended_fd, &one, sizeof one) < 0) {
+        /* the counter cannot overflow with one write per reader */
+    }
+}
+
+struct reader_arg {
+    Plane *plane;
+    int index;
+};
+
+static void *reader_main(void *arg)
+{
+    struct reader_arg *ra = arg;
+    Plane *p = ra->plane;
+    int fd = p->fds[ra->index];
+    free(ra);
+    char *buf = malloc(REQUEST_BUFFER);
+    struct reader_state s = {0};
+    if (buf == NULL) {
+        signal_ended(p);
+        return NULL;
+    }
+    while (!atomic_load(&p->stopping)) {
+        ssize_t len = read(fd, buf, REQUEST_BUFFER);
+        if (len < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
+                continue;               /* ENOENT: the request was interrupted before we read it */
+            if (errno != ENODEV)
+                COUNT(p, read_errors, 1);
+            signal_ended(p);            /* ENODEV: unmounted or aborted */
+            break;
+        }
+        COUNT(p, requests, 1);
+        const struct fuse_in_header *in = (const void *)buf;
+        if ((size_t)len >= sizeof *in) {
+            if (in->opcode == FUSE_READ) {
+                if (serve_read(p, fd, in, (size_t)len, &s))
+                    continue;
+                COUNT(p, forwarded_reads, 1);
+            } else if (in->opcode == FUSE_INIT) {
+                atomic_store(&p->init_unique, in->unique);
+            }
+        }
+        forward(p, fd, buf, (size_t)len);
+    }
+    free(buf);
+    free(s.checks);
+    free(s.reads);
+    free(s.bufs);
+    free(s.ok);
+    free(s.data);
+    return NULL;
+}
+
+/* pyfuse3's INIT reply leaves max_background at 0 (the kernel then allows 12
+ * background requests, readahead included); raise it here. */
+static void patch_init(Plane *p, char *buf, size_t len)
+{
+    struct fuse_out_header *out = (void *)buf;
+    struct fuse_init_out *io = (void *)(out + 1);
+    if (out->error != 0 || len < sizeof *out + offsetof(struct fuse_init_out, max_write))
+        return;
+    if (p->max_background) {
+        io->max_background = p->max_background;
+        io->congestion_threshold = (uint16_t)(p->max_background * 3 / 4);
+    }
+}
+
+static void *relay_main(void *arg)
+{
+    Plane *p = arg;
+    char *buf = malloc(REPLY_BUFFER);
+    if (buf == NULL)
+        return NULL;
+    for (;;) {
+        ssize_t len = recv(p->sock_fd, buf, REPLY_BUFFER, MSG_TRUNC);
+        if (len < 0 && errno == EINTR)
+            continue;
+        if (len <= 0)
+            break;                      /* pyfuse3 closed its end, or stop() shut ours */
+        if ((size_t)len > REPLY_BUFFER || (size_t)len < sizeof(struct fuse_out_header)) {
+            COUNT(p, reply_write_errors, 1);
+            continue;
+        }
+        struct fuse_out_header *out = (void *)buf;
+        int fd;
+        if (out->unique == 0) {
+            fd = p->dev_fd;             /* a notification: any descriptor of the connection */
+            COUNT(p, notifications_relayed, 1);
+        } else {
+            /* an interrupt's reply goes where the interrupted request was read */
+            int is_interrupt_reply = (out->unique & FUSE_INT_REQ_BIT) != 0;
+            fd = pending_fd(p, out->unique & ~(uint64_t)FUSE_INT_REQ_BIT, !is_interrupt_reply);
+            if (fd < 0)
+                fd = p->dev_fd;
+            if (out->unique == atomic_load(&p->init_unique) && !atomic_exchange(&p->init_patched, 1))
+                patch_init(p, buf, (size_t)len);
+            COUNT(p, replies_relayed, 1);
+        }
+        if (write(fd, buf, (size_t)len) < 0)
+            COUNT(p, reply_write_errors, 1);    /* ENOENT: interrupted, or no such inode */
+    }
+    free(buf);
+    return NULL;
+}
+
+static void wake_handler(int sig) { (void)sig; }
+
+/* -- the Python type --------------------------------------------------------- */
+
+static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"dev_fd", "sock_fd", "device_fd", "seed", "secret", "threads", "max_background", NULL};
+    unsigned long long seed;
+    const char *secret;
+    Py_ssize_t secret_len;
+    int threads, max_background;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiKy#ii", names, &p->dev_fd, &p->sock_fd, &p->device_fd,
+                                     &seed, &secret, &secret_len, &threads, &max_background))
+        return -1;
+    if (kvfs_key_base_init(&p->keys, seed, (const uint8_t *)secret, (size_t)secret_len) < 0) {
+        PyErr_SetString(PyExc_ValueError, "the key secret is at most 32 bytes");
+        return -1;
+    }
+    if (threads < 1 || threads > 64) {
+        PyErr_SetString(PyExc_ValueError, "threads must be between 1 and 64");
+        return -1;
+    }
+    if (max_background < 0 || max_background > 65535) {
+        PyErr_SetString(PyExc_ValueError, "max_background must be between 0 and 65535");
+        return -1;
+    }
+    p->nthreads = threads;
+    p->max_background = (uint16_t)max_background;
+    p->ended_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (p->ended_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    pthread_rwlock_init(&p->table_lock, NULL);
+    pthread_mutex_init(&p->pending_lock, NULL);
+    pthread_mutex_init(&p->queue_lock, NULL);
+    pthread_cond_init(&p->queue_cond, NULL);
+    return 0;
+}
+
+static PyObject *Plane_start(Plane *p, PyObject *noargs)
+{
+    if (p->running || p->readers) {
+        PyErr_SetString(PyExc_RuntimeError, "the read plane was started already");
+        return NULL;
+    }
+    struct sigaction sa = {.sa_handler = wake_handler};   /* no SA_RESTART: read() returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(WAKE_SIGNAL, &sa, NULL) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    p->fds = calloc((size_t)p->nthreads, sizeof *p->fds);
+    p->readers = calloc((size_t)p->nthreads, sizeof *p->readers);
+    if (!p->fds || !p->readers)
+        return PyErr_NoMemory();
+    p->fds[0] = p->dev_fd;
+    for (int i = 1; i < p->nthreads; i++) {
+        p->fds[i] = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+        uint32_t master = (uint32_t)p->dev_fd;
+        if (p->fds[i] < 0 || ioctl(p->fds[i], FUSE_DEV_IOC_CLONE, &master) < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            for (int j = 1; j <= i; j++)
+                if (p->fds[j] >= 0)
+                    close(p->fds[j]);
+            free(p->fds);
+            free(p->readers);
+            p->fds = NULL;
+            p->readers = NULL;
+            return NULL;
+        }
+    }
+    p->running = 1;
+    pthread_create(&p->relay, NULL, relay_main, p);
+    pthread_create(&p->sender, NULL, sender_main, p);
+    for (int i = 0; i < p->nthreads; i++) {
+        struct reader_arg *ra = malloc(sizeof *ra);
+        ra->plane = p;
+        ra->index = i;
+        pthread_create(&p->readers[i], NULL, reader_main, ra);
+    }
+    Py_RETURN_NONE;
+}
+
+static void stop_threads(Plane *p)
+{
+    atomic_store(&p->stopping, 1);
+    for (int i = 0; i < p->nthreads; i++) {
+        /* A reader blocked in read() sleeps until a request or a signal: poke
+         * it until it has seen `stopping` and returned. */
+        for (;;) {
+            pthread_kill(p->readers[i], WAKE_SIGNAL);
+            struct timespec t;
+            clock_gettime(CLOCK_REALTIME, &t);
+            t.tv_nsec += 20 * 1000 * 1000;
+            if (t.tv_nsec >= 1000000000) {
+                t.tv_sec++;
+                t.tv_nsec -= 1000000000;
+            }
+            if (pthread_timedjoin_np(p->readers[i], NULL, &t) == 0)
+                break;
+        }
+    }
+    shutdown(p->sock_fd, SHUT_RD);
+    pthread_join(p->relay, NULL);
+    pthread_mutex_lock(&p->queue_lock);
+    pthread_cond_broadcast(&p->queue_cond);
+    pthread_mutex_unlock(&p->queue_lock);
+    /* The sender may be blocked in send() to a pyfuse3 that reads no more. */
+    shutdown(p->sock_fd, SHUT_WR);
+    pthread_join(p->sender, NULL);
+    for (int i = 1; i < p->nthreads; i++)
+        close(p->fds[i]);
+}
+
+static PyObject *Plane_stop(Plane *p, PyObject *noargs)
+{
+    if (!p->running)
+        Py_RETURN_NONE;
+    p->running = 0;
+    Py_BEGIN_ALLOW_THREADS
+    stop_threads(p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static int parse_block(PyObject *item, struct kvfs_block_check *b)
+{
+    memset(b, 0, sizeof *b);
+    if (item == Py_None) {
+        b->dev_off = HOLE;
+        return 0;
+    }
+    unsigned long long off;
+    unsigned int length;
+    const char *key, *salt;
+    Py_ssize_t key_len, salt_len;
+    if (!PyArg_ParseTuple(item, "KIy#y#", &off, &length, &key, &key_len, &salt, &salt_len))
+        return -1;
+    if (key_len != KVFS_KEY_BYTES || (salt_len != 0 && salt_len != KVFS_SALT_BYTES) || off % KVFS_SECTOR
+            || off == HOLE) {
+        PyErr_SetString(PyExc_ValueError, "a block is (sector-aligned offset, length, 16-byte key, 0 or 8 salt bytes)");
+        return -1;
+    }
+    b->dev_off = off;
+    b->length = length;
+    memcpy(b->key, key, KVFS_KEY_BYTES);
+    b->salted = salt_len != 0;
+    if (salt_len)
+        memcpy(b->salt, salt, KVFS_SALT_BYTES);
+    return 0;
+}
+
+static int remove_published(Plane *p, uint64_t nodeid)
+{
+    for (struct published **at = &p->table[bucket(nodeid)]; *at; at = &(*at)->next) {
+        if ((*at)->nodeid == nodeid) {
+            struct published *f = *at;
+            *at = f->next;
+            free(f);
+            p->published_files--;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *Plane_publish(Plane *p, PyObject *args)
+{
+    unsigned long long nodeid, generation, size;
+    unsigned int block_size;
+    PyObject *blocks;
+    if (!PyArg_ParseTuple(args, "KKKIO", &nodeid, &generation, &size, &block_size, &blocks))
+        return NULL;
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (block_size == 0 || block_size % KVFS_SECTOR || (uint64_t)n > (size + block_size - 1) / block_size) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "block_size must be a multiple of 4096 and blocks cover at most size bytes");
+        return NULL;
+    }
+    struct published *f = malloc(sizeof *f + (size_t)n * sizeof f->blocks[0]);
+    if (f == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (parse_block(PySequence_Fast_GET_ITEM(seq, i), &f->blocks[i]) < 0
+                || (f->blocks[i].dev_off != HOLE && f->blocks[i].length > block_size)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "a block is longer than the block size");
+            free(f);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    f->nodeid = nodeid;
+    f->generation = generation;
+    f->size = size;
+    f->block_size = block_size;
+    f->nblocks = (uint32_t)n;
+    pthread_rwlock_wrlock(&p->table_lock);
+    remove_published(p, nodeid);
+    f->next = p->table[bucket(nodeid)];
+    p->table[bucket(nodeid)] = f;
+    p->published_files++;
+    pthread_rwlock_unlock(&p->table_lock);
+    COUNT(p, publications, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_withdraw(Plane *p, PyObject *arg)
+{
+    unsigned long long nodeid = PyLong_AsUnsignedLongLong(arg);
+    if (nodeid == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_rwlock_wrlock(&p->table_lock);
+    int removed = remove_published(p, nodeid);
+    pthread_rwlock_unlock(&p->table_lock);
+    if (removed)
+        COUNT(p, withdrawals, 1);
+    return PyBool_FromLong(removed);
+}
+
+static PyObject *Plane_generation(Plane *p, PyObject *arg)
+{
+    unsigned long long nodeid = PyLong_AsUnsignedLongLong(arg);
+    if (nodeid == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_rwlock_rdlock(&p->table_lock);
+    struct published *f = find(p, nodeid);
+    long long generation = f ? (long long)f->generation : -1;
+    pthread_rwlock_unlock(&p->table_lock);
+    if (generation < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(generation);
+}
+
+#define ADD_COUNTER(name) \
+    if (put(d, #name, atomic_load_explicit(&p->n.name, memory_order_relaxed)) < 0) goto fail;
+
+static int put(PyObject *d, const char *name, uint64_t v)
+{
+    PyObject *o = PyLong_FromUnsignedLongLong(v);
+    int r = o ? PyDict_SetItemString(d, name, o) : -1;
+    Py_XDECREF(o);
+    return r;
+}
+
+static PyObject *Plane_statistics(Plane *p, PyObject *noargs)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    COUNTERS(ADD_COUNTER)
+    pthread_rwlock_rdlock(&p->table_lock);
+    uint64_t files = p->published_files;
+    pthread_rwlock_unlock(&p->table_lock);
+    if (put(d, "published_files", files) < 0 || put(d, "threads", (uint64_t)p->nthreads) < 0)
+        goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static void Plane_dealloc(Plane *p)
+{
+    if (p->running) {
+        p->running = 0;
+        stop_threads(p);
+    }
+    for (unsigned i = 0; i < TABLE_BUCKETS; i++) {
+        while (p->table[i])
+            remove_published(p, p->table[i]->nodeid);
+        while (p->pending[i]) {
+            struct pending *e = p->pending[i];
+            p->pending[i] = e->next;
+            free(e);
+        }
+    }
+    while (p->queue_head) {
+        struct queued *q = p->queue_head;
+        p->queue_head = q->next;
+        free(q);
+    }
+    if (p->ended_fd > 0)
+        close(p->ended_fd);
+    free(p->fds);
+    free(p->readers);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyMethodDef Plane_methods[] = {
+    {"start", (PyCFunction)Plane_start, METH_NOARGS, "Clone the descriptors and start the threads."},
+    {"stop", (PyCFunction)Plane_stop, METH_NOARGS, "Stop and join every thread (closes the cloned descriptors)."},
+    {"publish", (PyCFunction)Plane_publish, METH_VARARGS,
+     "publish(nodeid, generation, size, block_size, blocks): serve this file's READs natively.\n"
+     "blocks: per block in file order (device offset, length, key, salt) or None for a hole."},
+    {"withdraw", (PyCFunction)Plane_withdraw, METH_O, "withdraw(nodeid): READs of it go to pyfuse3 again; True if it was published."},
+    {"generation", (PyCFunction)Plane_generation, METH_O, "generation(nodeid): the published generation, or None."},
+    {"statistics", (PyCFunction)Plane_statistics, METH_NOARGS, "The counters, as a dict."},
+    {NULL}
+};
+
+static PyObject *Plane_ended_fd(Plane *p, void *closure) { return PyLong_FromLong(p->ended_fd); }
+
+static PyGetSetDef Plane_getset[] = {
+    {"ended_fd", (getter)Plane_ended_fd, NULL, "an eventfd that becomes readable once the connection has ended", NULL},
+    {NULL}
+};
+
+static PyTypeObject PlaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfs.fuse._readplane.ReadPlane",
+    .tp_basicsize = sizeof(Plane),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ReadPlane(dev_fd, sock_fd, device_fd, seed, secret, threads, max_background): see readplane.c",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Plane_init,
+    .tp_dealloc = (destructor)Plane_dealloc,
+    .tp_methods = Plane_methods,
+    .tp_getset = Plane_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_readplane",
+                                    "The native read plane beside pyfuse3 (see readplane.c).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__readplane(void)
+{
+    if (PyType_Ready(&PlaneType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&PlaneType);
+    if (PyModule_AddObject(m, "ReadPlane", (PyObject *)&PlaneType) < 0) {
+        Py_DECREF(&PlaneType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
