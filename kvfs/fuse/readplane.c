@@ -91,10 +91,18 @@ struct pending {                        /* a forwarded request that awaits pyfus
     int fd;
 };
 
-struct queued {                         /* a forwarded request waiting for room in the socket */
+struct queued {                         /* a message waiting for its thread to deliver it */
     struct queued *next;
     size_t len;
     char data[];
+};
+
+/* Messages delivered in order by one thread, each kept at the head until it is
+ * delivered, so that a caller who finds the queue empty cannot overtake it. */
+struct msgqueue {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct queued *head, *tail;
 };
 
 /* Counters: relaxed atomics, read by statistics(). */
@@ -115,7 +123,7 @@ typedef struct {
     atomic_int stopping;
     pthread_t *readers;
     int *fds;                           /* fds[0] = dev_fd, the others cloned from it */
-    pthread_t relay, sender;
+    pthread_t relay, sender, notifier;
     _Atomic uint64_t init_unique;       /* 0 until the kernel's INIT is seen */
     atomic_int init_patched;
     pthread_rwlock_t table_lock;
@@ -123,9 +131,8 @@ typedef struct {
     uint64_t published_files;
     pthread_mutex_t pending_lock;
     struct pending *pending[TABLE_BUCKETS];
-    pthread_mutex_t queue_lock;
-    pthread_cond_t queue_cond;
-    struct queued *queue_head, *queue_tail;
+    struct msgqueue forwards;           /* requests for pyfuse3 that found the socket full */
+    struct msgqueue notices;            /* pyfuse3's notifications, for the kernel */
     struct { COUNTERS(DECLARE) } n;
 } Plane;
 
@@ -168,68 +175,124 @@ static int pending_fd(Plane *p, uint64_t unique, int take)
     return fd;
 }
 
-/* -- forwarding to pyfuse3, never blocking a reader ----------------------- */
+/* -- queues: forwarding to pyfuse3 never blocks a reader, nor a notification the relay -- */
+
+static void mq_init(struct msgqueue *q)
+{
+    pthread_mutex_init(&q->lock, NULL);
+    pthread_cond_init(&q->cond, NULL);
+    q->head = q->tail = NULL;
+}
+
+/* Append a copy of buf (the caller holds q->lock); 0, or -1 without memory. */
+static int mq_append_locked(struct msgqueue *q, const char *buf, size_t len)
+{
+    struct queued *m = malloc(sizeof *m + len);
+    if (m == NULL)
+        return -1;
+    m->next = NULL;
+    m->len = len;
+    memcpy(m->data, buf, len);
+    if (q->tail)
+        q->tail->next = m;
+    else
+        q->head = m;
+    q->tail = m;
+    pthread_cond_signal(&q->cond);
+    return 0;
+}
+
+static void mq_free(struct msgqueue *q)
+{
+    while (q->head) {
+        struct queued *m = q->head;
+        q->head = m->next;
+        free(m);
+    }
+    q->tail = NULL;
+}
+
+/* Deliver q's messages in order until stopping (blocking in deliver is fine:
+ * only this thread waits). */
+static void mq_drain(Plane *p, struct msgqueue *q, int (*deliver)(Plane *, const struct queued *))
+{
+    pthread_mutex_lock(&q->lock);
+    for (;;) {
+        while (q->head == NULL && !atomic_load(&p->stopping))
+            pthread_cond_wait(&q->cond, &q->lock);
+        if (q->head == NULL)
+            break;
+        struct queued *m = q->head;
+        pthread_mutex_unlock(&q->lock);
+        deliver(p, m);
+        pthread_mutex_lock(&q->lock);
+        q->head = m->next;
+        if (q->head == NULL)
+            q->tail = NULL;
+        free(m);
+    }
+    pthread_mutex_unlock(&q->lock);
+}
 
 static void send_to_python(Plane *p, const char *buf, size_t len)
 {
-    pthread_mutex_lock(&p->queue_lock);
-    if (p->queue_head == NULL) {
+    struct msgqueue *q = &p->forwards;
+    pthread_mutex_lock(&q->lock);
+    if (q->head == NULL) {
         ssize_t r = send(p->sock_fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (r == (ssize_t)len) {
-            pthread_mutex_unlock(&p->queue_lock);
+            pthread_mutex_unlock(&q->lock);
             return;
         }
         if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
             COUNT(p, forward_errors, 1);    /* pyfuse3 is gone: nobody will answer */
-            pthread_mutex_unlock(&p->queue_lock);
+            pthread_mutex_unlock(&q->lock);
             return;
         }
     }
-    struct queued *q = malloc(sizeof *q + len);
-    if (q == NULL) {
+    if (mq_append_locked(q, buf, len) < 0)
         COUNT(p, forward_errors, 1);
-        pthread_mutex_unlock(&p->queue_lock);
-        return;
-    }
-    q->next = NULL;
-    q->len = len;
-    memcpy(q->data, buf, len);
-    if (p->queue_tail)
-        p->queue_tail->next = q;
     else
-        p->queue_head = q;
-    p->queue_tail = q;
-    COUNT(p, forwards_queued, 1);
-    pthread_cond_signal(&p->queue_cond);
-    pthread_mutex_unlock(&p->queue_lock);
+        COUNT(p, forwards_queued, 1);
+    pthread_mutex_unlock(&q->lock);
 }
 
-/* Sends queued requests in order: the head leaves the queue only once sent,
- * so a reader that finds the queue empty cannot overtake it. */
+static int deliver_forward(Plane *p, const struct queued *m)
+{
+    ssize_t r;
+    do
+        r = send(p->sock_fd, m->data, m->len, MSG_NOSIGNAL);
+    while (r < 0 && errno == EINTR && !atomic_load(&p->stopping));
+    if (r != (ssize_t)m->len)
+        COUNT(p, forward_errors, 1);
+    return 0;
+}
+
+/* A notification may block in the kernel (an entry invalidation waits for the
+ * directory's lock, which a caller of a request pyfuse3 has not answered may
+ * hold): so the relay only queues it, and this thread waits. */
+static int deliver_notice(Plane *p, const struct queued *m)
+{
+    ssize_t r;
+    do
+        r = write(p->dev_fd, m->data, m->len);
+    while (r < 0 && errno == EINTR && !atomic_load(&p->stopping));
+    if (r < 0)
+        COUNT(p, reply_write_errors, 1);   /* ENOENT: the kernel holds nothing of that inode */
+    return 0;
+}
+
 static void *sender_main(void *arg)
 {
     Plane *p = arg;
-    pthread_mutex_lock(&p->queue_lock);
-    for (;;) {
-        while (p->queue_head == NULL && !atomic_load(&p->stopping))
-            pthread_cond_wait(&p->queue_cond, &p->queue_lock);
-        if (p->queue_head == NULL)
-            break;
-        struct queued *q = p->queue_head;
-        pthread_mutex_unlock(&p->queue_lock);
-        ssize_t r;
-        do
-            r = send(p->sock_fd, q->data, q->len, MSG_NOSIGNAL);
-        while (r < 0 && errno == EINTR && !atomic_load(&p->stopping));
-        if (r != (ssize_t)q->len)
-            COUNT(p, forward_errors, 1);
-        pthread_mutex_lock(&p->queue_lock);
-        p->queue_head = q->next;
-        if (p->queue_head == NULL)
-            p->queue_tail = NULL;
-        free(q);
-    }
-    pthread_mutex_unlock(&p->queue_lock);
+    mq_drain(p, &p->forwards, deliver_forward);
+    return NULL;
+}
+
+static void *notifier_main(void *arg)
+{
+    Plane *p = arg;
+    mq_drain(p, &p->notices, deliver_notice);
     return NULL;
 }
 
@@ -247,8 +310,9 @@ static void forward(Plane *p, int fd, const char *buf, size_t len)
                 COUNT(p, interrupts_dropped, 1);
                 return;
             }
-        } else if (in->opcode != FUSE_FORGET && in->opcode != FUSE_BATCH_FORGET) {
-            pending_put(p, in->unique, fd);     /* these two have no reply */
+        } else if (in->opcode != FUSE_FORGET && in->opcode != FUSE_BATCH_FORGET
+                   && in->opcode != FUSE_NOTIFY_REPLY) {
+            pending_put(p, in->unique, fd);     /* these three have no reply */
         }
     }
     send_to_python(p, buf, len);
@@ -478,9 +542,13 @@ static void *relay_main(void *arg)
         }
         struct fuse_out_header *out = (void *)buf;
         int fd;
-        if (out->unique == 0) {
-            fd = p->dev_fd;             /* a notification: any descriptor of the connection */
+        if (out->unique == 0) {         /* a notification: any descriptor, from the notifier */
+            pthread_mutex_lock(&p->notices.lock);
+            if (mq_append_locked(&p->notices, buf, (size_t)len) < 0)
+                COUNT(p, reply_write_errors, 1);
+            pthread_mutex_unlock(&p->notices.lock);
             COUNT(p, notifications_relayed, 1);
+            continue;
         } else {
             /* an interrupt's reply goes where the interrupted request was read */
             int is_interrupt_reply = (out->unique & FUSE_INT_REQ_BIT) != 0;
@@ -533,8 +601,8 @@ static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
     }
     pthread_rwlock_init(&p->table_lock, NULL);
     pthread_mutex_init(&p->pending_lock, NULL);
-    pthread_mutex_init(&p->queue_lock, NULL);
-    pthread_cond_init(&p->queue_cond, NULL);
+    mq_init(&p->forwards);
+    mq_init(&p->notices);
     return 0;
 }
 
@@ -571,6 +639,7 @@ static PyObject *Plane_start(Plane *p, PyObject *noargs)
     p->running = 1;
     pthread_create(&p->relay, NULL, relay_main, p);
     pthread_create(&p->sender, NULL, sender_main, p);
+    pthread_create(&p->notifier, NULL, notifier_main, p);
     for (int i = 0; i < p->nthreads; i++) {
         struct reader_arg *ra = malloc(sizeof *ra);
         ra->plane = p;
@@ -580,33 +649,41 @@ static PyObject *Plane_start(Plane *p, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
+/* Join a thread that may be blocked in a read or write of /dev/fuse: those
+ * sleep until a request or a signal, so poke it until it has seen `stopping`. */
+static void join_poking(pthread_t thread)
+{
+    for (;;) {
+        pthread_kill(thread, WAKE_SIGNAL);
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_nsec += 20 * 1000 * 1000;
+        if (t.tv_nsec >= 1000000000) {
+            t.tv_sec++;
+            t.tv_nsec -= 1000000000;
+        }
+        if (pthread_timedjoin_np(thread, NULL, &t) == 0)
+            return;
+    }
+}
+
 static void stop_threads(Plane *p)
 {
     atomic_store(&p->stopping, 1);
-    for (int i = 0; i < p->nthreads; i++) {
-        /* A reader blocked in read() sleeps until a request or a signal: poke
-         * it until it has seen `stopping` and returned. */
-        for (;;) {
-            pthread_kill(p->readers[i], WAKE_SIGNAL);
-            struct timespec t;
-            clock_gettime(CLOCK_REALTIME, &t);
-            t.tv_nsec += 20 * 1000 * 1000;
-            if (t.tv_nsec >= 1000000000) {
-                t.tv_sec++;
-                t.tv_nsec -= 1000000000;
-            }
-            if (pthread_timedjoin_np(p->readers[i], NULL, &t) == 0)
-                break;
-        }
-    }
+    for (int i = 0; i < p->nthreads; i++)
+        join_poking(p->readers[i]);
     shutdown(p->sock_fd, SHUT_RD);
     pthread_join(p->relay, NULL);
-    pthread_mutex_lock(&p->queue_lock);
-    pthread_cond_broadcast(&p->queue_cond);
-    pthread_mutex_unlock(&p->queue_lock);
+    struct msgqueue *queues[] = {&p->forwards, &p->notices};
+    for (int i = 0; i < 2; i++) {
+        pthread_mutex_lock(&queues[i]->lock);
+        pthread_cond_broadcast(&queues[i]->cond);
+        pthread_mutex_unlock(&queues[i]->lock);
+    }
     /* The sender may be blocked in send() to a pyfuse3 that reads no more. */
     shutdown(p->sock_fd, SHUT_WR);
     pthread_join(p->sender, NULL);
+    join_poking(p->notifier);           /* it may sit in a write the kernel holds */
     for (int i = 1; i < p->nthreads; i++)
         close(p->fds[i]);
 }
@@ -780,11 +857,8 @@ static void Plane_dealloc(Plane *p)
             free(e);
         }
     }
-    while (p->queue_head) {
-        struct queued *q = p->queue_head;
-        p->queue_head = q->next;
-        free(q);
-    }
+    mq_free(&p->forwards);
+    mq_free(&p->notices);
     if (p->ended_fd > 0)
         close(p->ended_fd);
     free(p->fds);
