@@ -38,7 +38,8 @@ SHARED_GROUPS = {
     # drop_caches, for cold reads), or count the reads, lookups or getattrs that reach
     # the daemon (which a drop by another test would change: it drops dentries too).
     "page-cache": ("test_bench_netdev.py", "test_bench_tool.py", "test_eviction.py", "test_faults_writers.py",
-                   "test_ops_admin.py", "test_ops_metrics.py", "test_page_cache_coherence.py", "test_page_fill.py",
+                   "test_native_reads.py", "test_ops_admin.py", "test_ops_metrics.py", "test_page_cache_coherence.py",
+                   "test_page_fill.py",
                    "test_page_writer_opens.py", "test_read_path.py", "test_writeback_prefetch.py"),
     # Time: these keep both cores busy for a fixed time (stress, crash rounds, fsx),
     # or bound how long something may take. One at a time, none of them competes

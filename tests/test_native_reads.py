@@ -19,13 +19,16 @@ import errno
 import mmap
 import os
 import random
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from kvfs.base import crashpoints
-from kvfs.fuse.frontend import mount_data
+from kvfs.fuse.frontend import NativeModuleMissing, load, mount_data
 from kvfs.errors import InvalidArgument
 
 from filedata import pattern
@@ -204,6 +207,29 @@ def test_mount_data_takes_kvfs_options_and_refuses_others():
     assert data.startswith("fd=7,rootmode=40000,") and "allow_other" in data and "default_permissions" in data
     with pytest.raises(InvalidArgument, match="not supported"):
         mount_data({"max_read=4096"}, 7)
+
+
+def test_a_missing_native_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvfs.fuse._readplane", None)     # as if it was never built
+    with pytest.raises(NativeModuleMissing, match="native read plane is not built.*native_reads=off"):
+        load()
+
+
+def test_a_native_build_that_fails_fails_the_install(tmp_path):
+    """The extensions build in the normal install; a compile error must stop it, loudly."""
+    repo = Path(__file__).resolve().parent.parent
+    src = tmp_path / "src"
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        src.mkdir(exist_ok=True)
+        shutil.copy(repo / name, src / name)
+    shutil.copytree(repo / "kvfs", src / "kvfs", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    with open(src / "kvfs/fuse/readplane.c", "a") as f:
+        f.write("\n#error a deliberately broken native read plane\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-w", str(tmp_path / "out"), str(src)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "deliberately broken native read plane" in proc.stdout + proc.stderr
+    assert not list(tmp_path.glob("out/*.whl")), "a wheel was built without the native read plane"
 
 
 def test_the_connection_ends_with_enotconn_after_kill_9(kvfs):

@@ -98,8 +98,10 @@ def test_exposition_parses_and_counts_known_workloads(metered):
     hist = [s for s in fams["kvfs_device_read_latency_seconds"].samples if s.name.endswith("_bucket")]
     counts = [s.value for s in hist]
     assert counts == sorted(counts) and hist[-1].labels["le"] == "+Inf"
+    # The histogram times the daemon's Python device reads (the superblock and journal at
+    # mount, at least); the native read plane's reads of cold.bin are not in it.
     assert counts[-1] == value(fams, "kvfs_device_read_latency_seconds",
-                               "kvfs_device_read_latency_seconds_count") >= 6
+                               "kvfs_device_read_latency_seconds_count") >= 1
 
     as_json = fs.admin("metrics", "--json", fs.mnt).stdout
     assert '"kvfs_used_bytes"' in as_json

@@ -32,7 +32,7 @@ def make_cold(fs):
 
 @pytest.fixture
 def filled(kvfs_factory):
-    fs = kvfs_factory(mount_options=["page_fill=on"])
+    fs = kvfs_factory(mount_options=["page_fill=on", "native_reads=off"])
     fs.mkfs()
     fs.mount()
     return fs
@@ -226,7 +226,7 @@ def test_the_page_check_finds_stale_and_torn_pages():
 @pytest.mark.expect_errors(r"kvfs\.blockindex: block [0-9a-f]+ at device offset \d+ fails its checksum")
 @pytest.mark.parametrize("effect", ["eio", "flip"])
 def test_a_bad_block_is_left_out_of_the_fill_and_reads_as_eio(kvfs_factory, effect):
-    fs = kvfs_factory(faults=[], mount_options=["io_retry=0", "page_fill=on"])
+    fs = kvfs_factory(faults=[], mount_options=["io_retry=0", "page_fill=on", "native_reads=off"])
     fs.mkfs()
     fs.mount()
     start = os.path.getsize(fs.device) - fs.stats()["capacity_bytes"]

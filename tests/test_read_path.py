@@ -19,6 +19,18 @@ MiB = 1 << 20
 BLOCKS = 32
 
 
+@pytest.fixture
+def kvfs(kvfs_factory):
+    """Mounted with native_reads=off: these tests are about the cold read path through
+    pyfuse3 and the block cache (prefetch runs, hand-offs); the native read plane
+    (kvfs/fuse/readplane.c) answers READs of sealed files without it
+    (tests/test_native_reads.py)."""
+    fs = kvfs_factory(mount_options=["native_reads=off"])
+    fs.mkfs()
+    fs.mount()
+    return fs
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
 def test_a_cold_read_costs_one_handoff_per_run_and_keeps_reads_in_flight(kvfs, direct):
     data = os.urandom(BLOCKS * MiB)

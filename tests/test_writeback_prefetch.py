@@ -7,10 +7,23 @@ import hashlib
 import os
 import signal
 
+import pytest
+
 from kvfsmount import drop_kernel_cache, slow_writes, write_new
 from threads import run_in_threads
 
 MiB = 1 << 20
+
+
+@pytest.fixture
+def kvfs(kvfs_factory):
+    """Mounted with native_reads=off: these tests are about the block cache's prefetch and
+    clean cache, which READs through pyfuse3 use; the native read plane
+    (kvfs/fuse/readplane.c) answers READs of sealed files without them."""
+    fs = kvfs_factory(mount_options=["native_reads=off"])
+    fs.mkfs()
+    fs.mount()
+    return fs
 
 
 def test_close_returns_while_dirty_and_dirty_reads_are_right(kvfs_factory):

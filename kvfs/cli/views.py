@@ -118,6 +118,10 @@ def summary(stats, rates=None):
            if rates.get("app_read") is not None else "")
         + (f"  (last {rates['window_s']:.1f} s)" if rates.get("window_s") else ""),
     ]
+    if "native_reads" in s:         # kvfs/fuse/readplane.c (its device reads are in "device" above)
+        lines.append(f"  native    {g('native_reads', 0):,} READs ({human(g('native_read_bytes'))}) answered "
+                     f"without Python, {g('native_forwarded_reads', 0):,} handed to it; "
+                     f"{g('native_published_files', 0):,} files published")
     if "evictions" in s:
         lines += ["eviction", f"  evicted   {s['evictions']:,} files, {human(s.get('evicted_bytes', 0))}"]
     errors = _error_lines(s)

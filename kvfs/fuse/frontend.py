@@ -71,6 +71,7 @@ def load() -> Any:
 class NativeReadStatistics:
     native_reads: int               # READs answered by the front end
     native_read_bytes: int
+    native_device_bytes: int        # what those READs read from the device (whole sectors)
     native_forwarded_reads: int     # READs that went to pyfuse3 (not published, or in doubt)
     native_unpublished_reads: int   # of those, READs of files not published
     native_verify_failures: int     # READs sent to pyfuse3 because a block failed its key
@@ -203,7 +204,8 @@ class NativeReads:
     def statistics(self) -> NativeReadStatistics:
         s = self.raw_statistics()
         return NativeReadStatistics(
-            s.get("native_reads", 0), s.get("native_bytes", 0), s.get("forwarded_reads", 0),
+            s.get("native_reads", 0), s.get("native_bytes", 0), s.get("native_device_bytes", 0),
+            s.get("forwarded_reads", 0),
             s.get("unpublished_reads", 0), s.get("native_verify_failures", 0), s.get("native_device_errors", 0),
             s.get("forwarded_requests", 0), s.get("forwards_queued", 0), s.get("published_files", 0),
             s.get("publications", 0), s.get("withdrawals", 0), s.get("threads", 0))

@@ -107,7 +107,7 @@ struct msgqueue {
 
 /* Counters: relaxed atomics, read by statistics(). */
 #define COUNTERS(X) \
-    X(requests) X(native_reads) X(native_bytes) X(forwarded_requests) X(forwarded_reads) \
+    X(requests) X(native_reads) X(native_bytes) X(native_device_bytes) X(forwarded_requests) X(forwarded_reads) \
     X(unpublished_reads) X(native_verify_failures) X(native_device_errors) X(native_reply_errors) \
     X(forwards_queued) X(forward_errors) X(replies_relayed) X(notifications_relayed) \
     X(reply_write_errors) X(interrupts_dropped) X(publications) X(withdrawals) X(read_errors)
@@ -410,6 +410,12 @@ static int serve_read(Plane *p, int fd, const struct fuse_in_header *in, size_t 
     }
     if (nreads) {
         int bad = kvfs_read_verified_keyed(p->device_fd, &p->keys, s->reads, nreads, s->bufs, s->ok);
+        if (bad >= 0) {
+            uint64_t span = 0;
+            for (size_t i = 0; i < nreads; i++)
+                span += kvfs_span(s->reads[i].length);
+            COUNT(p, native_device_bytes, span);
+        }
         if (bad < 0) {
             COUNT(p, native_device_errors, 1);
             return 0;

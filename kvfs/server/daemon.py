@@ -126,6 +126,11 @@ class Daemon:
         for kernel_pages in (self._page_dropper, self._page_filler, self._request_wait, self._native):
             if kernel_pages is not None:
                 stats.update(dataclasses.asdict(kernel_pages.statistics()))
+        if self._native is not None:
+            # What applications read and what the device delivered, whichever path served it.
+            stats["bytes_read"] += stats["native_read_bytes"]
+            stats["read_requests"] += stats["native_reads"]
+            stats["device_bytes_read"] += stats["native_device_bytes"]
         return stats
 
     async def command(self, text):
