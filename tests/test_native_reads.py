@@ -186,6 +186,35 @@ def test_a_stalled_python_side_does_not_stall_native_reads(tmp_path):
         fs.teardown()
 
 
+@pytest.mark.parametrize("direct_io", [False, True], ids=["page_cache", "native_direct_io"])
+def test_native_direct_io_sends_every_read_to_the_plane_and_mmap_still_works(kvfs_factory, direct_io):
+    fs = kvfs_factory(mount_options=[f"native_direct_io={'on' if direct_io else 'off'}"])
+    fs.mkfs()
+    fs.mount()
+    data = pattern(7, 3 * MiB + 100)
+    (fs.mnt / "chunk").write_bytes(data)
+    fs.flush()
+    drop_kernel_cache()
+    assert (fs.mnt / "chunk").read_bytes() == data           # buffered, cold
+    first = _native(fs)
+    assert (fs.mnt / "chunk").read_bytes() == data           # again: hot, if the kernel kept pages
+    second = _native(fs)
+    if direct_io:
+        # No page cache: the bytes go from the native reply into the reader's buffer, every time.
+        assert second["native_read_bytes"] - first["native_read_bytes"] >= len(data)
+    else:
+        assert second["native_reads"] == first["native_reads"], "the kernel's page cache did not answer"
+    # Shared and private read-only maps work either way (FUSE_DIRECT_IO_ALLOW_MMAP).
+    fd = os.open(fs.mnt / "chunk", os.O_RDONLY)
+    try:
+        for flags in (mmap.MAP_SHARED, mmap.MAP_PRIVATE):
+            with mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ) as mapped:
+                assert mapped[:] == data
+    finally:
+        os.close(fd)
+    assert second["kernel_read_requests"] == 0
+
+
 def test_native_reads_off_serves_everything_through_pyfuse3(kvfs_factory):
     fs = kvfs_factory(mount_options=["native_reads=off"])
     fs.mkfs()

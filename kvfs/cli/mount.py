@@ -125,7 +125,8 @@ def parse_options(text):
         known = SIZE_OPTIONS | INT_OPTIONS | {"commit_interval", "log", "by_hash", "high_watermark",
                                               "low_watermark", "eviction_policy", "metrics_port",
                                               "metrics_addr", "io_retry", "io_timeout", "dedup_groups", "dedup_verify",
-                                              "mmp_interval", "page_fill", "request_poll", "native_reads"}
+                                              "mmp_interval", "page_fill", "request_poll", "native_reads",
+                                              "native_direct_io"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -163,7 +164,7 @@ def parse_options(text):
                 if value not in ("off", "bytes"):
                     raise ValueError("(use off or bytes)")
                 opts.dedup_verify = value == "bytes"
-            elif name in ("page_fill", "request_poll", "native_reads"):
+            elif name in ("page_fill", "request_poll", "native_reads", "native_direct_io"):
                 if value not in ("on", "off"):
                     raise ValueError("(use on or off)")
                 setattr(opts, name, value == "on")
@@ -301,7 +302,7 @@ def main(argv):
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
-                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default on), native_threads=N, "
+                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default on), native_threads=N, native_direct_io=on|off (default off), "
                       "high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "io_timeout=SECONDS (default 60, longer than io_retry), "

@@ -74,7 +74,13 @@
 #define WAKE_SIGNAL (SIGRTMIN + 7)
 /* The kernel's unique of an INTERRUPT is the interrupted request's with bit 0
  * set (FUSE_INT_REQ_BIT in fs/fuse/fuse_i.h, not in the uapi header). */
-#define FUSE_INT_REQ_BIT 1ull      /* interrupts a reader blocked in read() at stop */
+#define FUSE_INT_REQ_BIT 1ull
+/* Protocol 7.39: MAP_SHARED mmap of a file opened with FOPEN_DIRECT_IO (older uapi
+ * headers lack it). kvfs answers read-only opens of published files that way with
+ * native_direct_io=on, and engines mmap chunk files (numpy.memmap, safetensors). */
+#ifndef FUSE_DIRECT_IO_ALLOW_MMAP
+#define FUSE_DIRECT_IO_ALLOW_MMAP (1ull << 36)
+#endif      /* interrupts a reader blocked in read() at stop */
 
 static const uint8_t zeros[ZERO_CHUNK];
 
@@ -125,6 +131,7 @@ typedef struct {
     int *fds;                           /* fds[0] = dev_fd, the others cloned from it */
     pthread_t relay, sender, notifier;
     _Atomic uint64_t init_unique;       /* 0 until the kernel's INIT is seen */
+    _Atomic uint64_t init_flags;        /* what the kernel's INIT offered (flags | flags2 << 32) */
     atomic_int init_patched;
     pthread_rwlock_t table_lock;
     struct published *table[TABLE_BUCKETS];
@@ -501,7 +508,12 @@ static void *reader_main(void *arg)
                 if (serve_read(p, fd, in, (size_t)len, &s))
                     continue;
                 COUNT(p, forwarded_reads, 1);
-            } else if (in->opcode == FUSE_INIT) {
+            } else if (in->opcode == FUSE_INIT && (size_t)len >= sizeof *in + sizeof(struct fuse_init_in)) {
+                const struct fuse_init_in *ii = (const void *)(in + 1);
+                uint64_t flags = ii->flags;
+                if (flags & FUSE_INIT_EXT)
+                    flags |= (uint64_t)ii->flags2 << 32;
+                atomic_store(&p->init_flags, flags);
                 atomic_store(&p->init_unique, in->unique);
             }
         }
@@ -517,7 +529,8 @@ static void *reader_main(void *arg)
 }
 
 /* pyfuse3's INIT reply leaves max_background at 0 (the kernel then allows 12
- * background requests, readahead included); raise it here. */
+ * background requests, readahead included); raise it here. And accept shared
+ * mmap of direct_io files where the kernel offers it. */
 static void patch_init(Plane *p, char *buf, size_t len)
 {
     struct fuse_out_header *out = (void *)buf;
@@ -528,6 +541,9 @@ static void patch_init(Plane *p, char *buf, size_t len)
         io->max_background = p->max_background;
         io->congestion_threshold = (uint16_t)(p->max_background * 3 / 4);
     }
+    if ((atomic_load(&p->init_flags) & FUSE_DIRECT_IO_ALLOW_MMAP) && (io->flags & FUSE_INIT_EXT)
+            && len >= sizeof *out + offsetof(struct fuse_init_out, flags2) + sizeof io->flags2)
+        io->flags2 |= (uint32_t)(FUSE_DIRECT_IO_ALLOW_MMAP >> 32);
 }
 
 static void *relay_main(void *arg)

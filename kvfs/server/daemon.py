@@ -60,6 +60,7 @@ class MountOptions:
     request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuse/loop.py)
     native_reads: bool = True         # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py)
     native_threads: int = 4           # its threads, each on its own /dev/fuse descriptor
+    native_direct_io: bool = False    # its read-only opens bypass the kernel's page cache
 
     force: bool = False               # take over a store whose MMP record is in use, without waiting
 
@@ -269,6 +270,7 @@ class Daemon:
             native.unmount()
             raise
         ops.native = native
+        ops.native_direct_io = self.options.native_direct_io
         self.fs.ns.content_watcher = native.withdraw
         return native
 
