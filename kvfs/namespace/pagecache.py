@@ -162,7 +162,9 @@ class KernelPages:
         blocks = self.cache.stored_extents(inode.data)
         if blocks is None:
             return None
-        return NativeExtents(inode.ino, inode.content_version, inode.data.size, self.block_size, blocks)
+        size = inode.data.size
+        return NativeExtents(inode.ino, inode.content_version, size, self.block_size,
+                             blocks[:-(-size // self.block_size)])     # none past the end
 
     def views_held(self) -> ContextManager[None]:
         """Views that :meth:`read` returns inside stay valid (BlockCache.views_held)."""
