@@ -306,9 +306,12 @@ class KvfsOperations(pyfuse3.Operations):
             # page-cache writer's reads refetch (kvfs/namespace/pagecache.py).
             self.native.withdraw(inode)
         fh, direct_io, keep_cache = self.ns.open(inode, flags, privileged=ctx.uid == 0)
-        if self.native is not None and self._publish(fh) and self.native_direct_io:
+        if self.native is not None and self._publish(fh) and self.native_direct_io and not flags & os.O_DIRECT:
             # The reader's bytes go from the native reply straight into its buffer,
             # not through 4 KiB page-cache fills (about 1 CPU-s/GB of kernel time).
+            # Not for O_DIRECT opens: the kernel sends a direct_io file's read() one
+            # READ at a time, but an O_DIRECT read of a cached file all at once
+            # (async dio), which a single reader needs to keep the device busy.
             direct_io = True
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
 
