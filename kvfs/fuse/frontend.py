@@ -44,7 +44,7 @@ MNT_DETACH = 2
 # some): a SEQPACKET message must fit the sender's buffer.
 SOCKET_BUFFER = 32 << 20
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 4
 DEFAULT_MAX_BACKGROUND = 128
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)

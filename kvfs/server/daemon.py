@@ -59,7 +59,7 @@ class MountOptions:
     page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/fuse/pagefill.py)
     request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuse/loop.py)
     native_reads: bool = True         # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py)
-    native_threads: int = 8           # its threads, each on its own /dev/fuse descriptor
+    native_threads: int = 4           # its threads, each on its own /dev/fuse descriptor
     native_direct_io: bool = False    # its read-only opens bypass the kernel's page cache
 
     force: bool = False               # take over a store whose MMP record is in use, without waiting
