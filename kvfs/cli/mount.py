@@ -302,7 +302,7 @@ def main(argv):
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
-                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default on), native_threads=N, native_direct_io=on|off (default off), "
+                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default off), native_threads=N, native_direct_io=on|off (default off), "
                       "high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "io_timeout=SECONDS (default 60, longer than io_retry), "

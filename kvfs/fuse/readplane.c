@@ -84,8 +84,17 @@
 
 static const uint8_t zeros[ZERO_CHUNK];
 
+/* A file's content as published. READs are ordered by the kernel's unique
+ * (assigned in queue order, handed out in that order): this version answers a
+ * READ whose unique u has from < u <= until, i.e. one handed out while it was
+ * the file's content. A withdrawn version (until set) stays a while for READs
+ * that were handed out before the change but looked up after it: answered
+ * with the content they would have got from pyfuse3, which reads requests in
+ * order (kvfs/namespace/truncation.py has the race this keeps closed). */
 struct published {
     struct published *next;
+    struct published *next_withdrawn;  /* the FIFO of withdrawn versions, oldest first */
+    uint64_t from, until;               /* uniques: handed out when published / withdrawn */
     uint64_t nodeid, generation, size;
     uint32_t block_size, nblocks;
     struct kvfs_block_check blocks[];   /* in file order; dev_off == HOLE: zeros */
@@ -135,7 +144,11 @@ typedef struct {
     atomic_int init_patched;
     pthread_rwlock_t table_lock;
     struct published *table[TABLE_BUCKETS];
-    uint64_t published_files;
+    uint64_t published_files;           /* live versions */
+    uint64_t kept_versions;             /* withdrawn versions still kept */
+    struct published *withdrawn_head, *withdrawn_tail;
+    _Atomic uint64_t handed;            /* the highest unique a reader has read */
+    _Atomic uint64_t *busy;             /* per reader: the unique it is serving, 0 when idle */
     pthread_mutex_t pending_lock;
     struct pending *pending[TABLE_BUCKETS];
     struct msgqueue forwards;           /* requests for pyfuse3 that found the socket full */
@@ -361,10 +374,22 @@ static int reserve(struct reader_state *s, size_t nblocks, size_t bytes)
     return 0;
 }
 
-static struct published *find(Plane *p, uint64_t nodeid)
+#define LIVE UINT64_MAX
+
+/* The live version of nodeid, or NULL. */
+static struct published *find_live(Plane *p, uint64_t nodeid)
 {
     for (struct published *f = p->table[bucket(nodeid)]; f; f = f->next)
-        if (f->nodeid == nodeid)
+        if (f->nodeid == nodeid && f->until == LIVE)
+            return f;
+    return NULL;
+}
+
+/* The version of nodeid that was its content when READ `unique` was handed out, or NULL. */
+static struct published *find_for(Plane *p, uint64_t nodeid, uint64_t unique)
+{
+    for (struct published *f = p->table[bucket(nodeid)]; f; f = f->next)
+        if (f->nodeid == nodeid && f->from < unique && unique <= f->until)
             return f;
     return NULL;
 }
@@ -380,7 +405,7 @@ static int serve_read(Plane *p, int fd, const struct fuse_in_header *in, size_t 
     size_t first = 0, nb = 0;
 
     pthread_rwlock_rdlock(&p->table_lock);
-    struct published *f = find(p, in->nodeid);
+    struct published *f = find_for(p, in->nodeid, in->unique);
     if (f == NULL) {
         pthread_rwlock_unlock(&p->table_lock);
         COUNT(p, unpublished_reads, 1);
@@ -484,6 +509,7 @@ static void *reader_main(void *arg)
     struct reader_arg *ra = arg;
     Plane *p = ra->plane;
     int fd = p->fds[ra->index];
+    int ra_index = ra->index;
     free(ra);
     char *buf = malloc(REQUEST_BUFFER);
     struct reader_state s = {0};
@@ -504,9 +530,17 @@ static void *reader_main(void *arg)
         COUNT(p, requests, 1);
         const struct fuse_in_header *in = (const void *)buf;
         if ((size_t)len >= sizeof *in) {
+            atomic_store(&p->busy[ra_index], in->unique);
+            uint64_t seen = atomic_load(&p->handed);
+            while (in->unique > seen && !atomic_compare_exchange_weak(&p->handed, &seen, in->unique))
+                ;
+        }
+        if ((size_t)len >= sizeof *in) {
             if (in->opcode == FUSE_READ) {
-                if (serve_read(p, fd, in, (size_t)len, &s))
+                if (serve_read(p, fd, in, (size_t)len, &s)) {
+                    atomic_store(&p->busy[ra_index], 0);
                     continue;
+                }
                 COUNT(p, forwarded_reads, 1);
             } else if (in->opcode == FUSE_INIT && (size_t)len >= sizeof *in + sizeof(struct fuse_init_in)) {
                 const struct fuse_init_in *ii = (const void *)(in + 1);
@@ -518,6 +552,7 @@ static void *reader_main(void *arg)
             }
         }
         forward(p, fd, buf, (size_t)len);
+        atomic_store(&p->busy[ra_index], 0);
     }
     free(buf);
     free(s.checks);
@@ -616,6 +651,11 @@ static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
     }
     p->nthreads = threads;
     p->max_background = (uint16_t)max_background;
+    p->busy = calloc((size_t)threads, sizeof *p->busy);
+    if (p->busy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     p->ended_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (p->ended_fd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -640,7 +680,7 @@ static PyObject *Plane_start(Plane *p, PyObject *noargs)
         return PyErr_SetFromErrno(PyExc_OSError);
     p->fds = calloc((size_t)p->nthreads, sizeof *p->fds);
     p->readers = calloc((size_t)p->nthreads, sizeof *p->readers);
-    if (!p->fds || !p->readers)
+    if (!p->fds || !p->readers || !p->busy)
         return PyErr_NoMemory();
     p->fds[0] = p->dev_fd;
     for (int i = 1; i < p->nthreads; i++) {
@@ -748,18 +788,56 @@ static int parse_block(PyObject *item, struct kvfs_block_check *b)
     return 0;
 }
 
-static int remove_published(Plane *p, uint64_t nodeid)
+/* End the live version of nodeid (the caller holds the write lock): READs handed
+ * out from now on go to pyfuse3; those handed out before may still use it. */
+static int withdraw_live(Plane *p, uint64_t nodeid)
 {
-    for (struct published **at = &p->table[bucket(nodeid)]; *at; at = &(*at)->next) {
-        if ((*at)->nodeid == nodeid) {
-            struct published *f = *at;
+    struct published *f = find_live(p, nodeid);
+    if (f == NULL)
+        return 0;
+    f->until = atomic_load(&p->handed);
+    f->next_withdrawn = NULL;
+    if (p->withdrawn_tail)
+        p->withdrawn_tail->next_withdrawn = f;
+    else
+        p->withdrawn_head = f;
+    p->withdrawn_tail = f;
+    p->published_files--;
+    p->kept_versions++;
+    return 1;
+}
+
+static void unlink_version(Plane *p, struct published *f)
+{
+    for (struct published **at = &p->table[bucket(f->nodeid)]; *at; at = &(*at)->next) {
+        if (*at == f) {
             *at = f->next;
-            free(f);
-            p->published_files--;
-            return 1;
+            return;
         }
     }
-    return 0;
+}
+
+/* Free the withdrawn versions no reader can still need: every READ handed out
+ * up to their `until` has been served (the write lock is held). A reader that
+ * has read a request but not yet marked itself busy may find its version gone:
+ * it then forwards the READ, which is always safe. */
+static void collect_versions(Plane *p)
+{
+    uint64_t oldest_busy = atomic_load(&p->handed) + 1;
+    for (int i = 0; i < p->nthreads; i++) {
+        uint64_t u = atomic_load(&p->busy[i]);
+        if (u && u < oldest_busy)
+            oldest_busy = u;
+    }
+    while (p->withdrawn_head && p->withdrawn_head->until < oldest_busy) {
+        struct published *f = p->withdrawn_head;
+        p->withdrawn_head = f->next_withdrawn;
+        if (p->withdrawn_head == NULL)
+            p->withdrawn_tail = NULL;
+        unlink_version(p, f);
+        free(f);
+        p->kept_versions--;
+    }
 }
 
 static PyObject *Plane_publish(Plane *p, PyObject *args)
@@ -800,10 +878,20 @@ static PyObject *Plane_publish(Plane *p, PyObject *args)
     f->block_size = block_size;
     f->nblocks = (uint32_t)n;
     pthread_rwlock_wrlock(&p->table_lock);
-    remove_published(p, nodeid);
+    struct published *live = find_live(p, nodeid);
+    if (live != NULL && live->generation == generation && live->size == size) {
+        pthread_rwlock_unlock(&p->table_lock);     /* already published as it is */
+        free(f);
+        Py_RETURN_NONE;
+    }
+    withdraw_live(p, nodeid);
+    f->from = atomic_load(&p->handed);
+    f->until = LIVE;
+    f->next_withdrawn = NULL;
     f->next = p->table[bucket(nodeid)];
     p->table[bucket(nodeid)] = f;
     p->published_files++;
+    collect_versions(p);
     pthread_rwlock_unlock(&p->table_lock);
     COUNT(p, publications, 1);
     Py_RETURN_NONE;
@@ -815,7 +903,8 @@ static PyObject *Plane_withdraw(Plane *p, PyObject *arg)
     if (nodeid == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     pthread_rwlock_wrlock(&p->table_lock);
-    int removed = remove_published(p, nodeid);
+    int removed = withdraw_live(p, nodeid);
+    collect_versions(p);
     pthread_rwlock_unlock(&p->table_lock);
     if (removed)
         COUNT(p, withdrawals, 1);
@@ -828,7 +917,7 @@ static PyObject *Plane_generation(Plane *p, PyObject *arg)
     if (nodeid == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     pthread_rwlock_rdlock(&p->table_lock);
-    struct published *f = find(p, nodeid);
+    struct published *f = find_live(p, nodeid);
     long long generation = f ? (long long)f->generation : -1;
     pthread_rwlock_unlock(&p->table_lock);
     if (generation < 0)
@@ -854,9 +943,10 @@ static PyObject *Plane_statistics(Plane *p, PyObject *noargs)
         return NULL;
     COUNTERS(ADD_COUNTER)
     pthread_rwlock_rdlock(&p->table_lock);
-    uint64_t files = p->published_files;
+    uint64_t files = p->published_files, kept = p->kept_versions;
     pthread_rwlock_unlock(&p->table_lock);
-    if (put(d, "published_files", files) < 0 || put(d, "threads", (uint64_t)p->nthreads) < 0)
+    if (put(d, "published_files", files) < 0 || put(d, "threads", (uint64_t)p->nthreads) < 0
+            || put(d, "kept_versions", kept) < 0)
         goto fail;
     return d;
 fail:
@@ -871,8 +961,11 @@ static void Plane_dealloc(Plane *p)
         stop_threads(p);
     }
     for (unsigned i = 0; i < TABLE_BUCKETS; i++) {
-        while (p->table[i])
-            remove_published(p, p->table[i]->nodeid);
+        while (p->table[i]) {
+            struct published *f = p->table[i];
+            p->table[i] = f->next;
+            free(f);
+        }
         while (p->pending[i]) {
             struct pending *e = p->pending[i];
             p->pending[i] = e->next;
@@ -885,6 +978,7 @@ static void Plane_dealloc(Plane *p)
         close(p->ended_fd);
     free(p->fds);
     free(p->readers);
+    free((void *)p->busy);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 

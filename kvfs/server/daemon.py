@@ -58,7 +58,10 @@ class MountOptions:
     mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
     page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/fuse/pagefill.py)
     request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuse/loop.py)
-    native_reads: bool = True         # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py)
+    # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py). Off by
+    # default: forwarded requests can reach pyfuse3 out of the kernel's order, which
+    # tests/test_otrunc_readers.py shows as zeros now and then (see docs/architecture.md).
+    native_reads: bool = False
     native_threads: int = 4           # its threads, each on its own /dev/fuse descriptor
     native_direct_io: bool = False    # its read-only opens bypass the kernel's page cache
 
