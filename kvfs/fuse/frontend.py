@@ -171,9 +171,6 @@ class NativeReads:
         if self._plane is not None:
             self._plane.withdraw(ino)
 
-    def published_generation(self, ino: int) -> Optional[int]:
-        return None if self._plane is None else self._plane.generation(ino)
-
     def unmount(self) -> None:
         """Lazily unmount (if still mounted), stop the threads, close the descriptors.
 

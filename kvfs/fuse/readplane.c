@@ -911,20 +911,6 @@ static PyObject *Plane_withdraw(Plane *p, PyObject *arg)
     return PyBool_FromLong(removed);
 }
 
-static PyObject *Plane_generation(Plane *p, PyObject *arg)
-{
-    unsigned long long nodeid = PyLong_AsUnsignedLongLong(arg);
-    if (nodeid == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    pthread_rwlock_rdlock(&p->table_lock);
-    struct published *f = find_live(p, nodeid);
-    long long generation = f ? (long long)f->generation : -1;
-    pthread_rwlock_unlock(&p->table_lock);
-    if (generation < 0)
-        Py_RETURN_NONE;
-    return PyLong_FromLongLong(generation);
-}
-
 #define ADD_COUNTER(name) \
     if (put(d, #name, atomic_load_explicit(&p->n.name, memory_order_relaxed)) < 0) goto fail;
 
@@ -989,7 +975,6 @@ static PyMethodDef Plane_methods[] = {
      "publish(nodeid, generation, size, block_size, blocks): serve this file's READs natively.\n"
      "blocks: per block in file order (device offset, length, key, salt) or None for a hole."},
     {"withdraw", (PyCFunction)Plane_withdraw, METH_O, "withdraw(nodeid): READs of it go to pyfuse3 again; True if it was published."},
-    {"generation", (PyCFunction)Plane_generation, METH_O, "generation(nodeid): the published generation, or None."},
     {"statistics", (PyCFunction)Plane_statistics, METH_NOARGS, "The counters, as a dict."},
     {NULL}
 };
