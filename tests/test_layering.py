@@ -73,7 +73,7 @@ LAYERS = ["device", "store", "blockindex", "blockcache", "namespace", "fuse"]   
 GROUND, APPLICATION = "ground floor", "application"
 FOLDERS = {**{layer: layer for layer in LAYERS},
            "base": GROUND, "schema": GROUND,
-           "server": APPLICATION, "cli": APPLICATION, "client": APPLICATION}
+           "server": APPLICATION, "cli": APPLICATION, "client": APPLICATION, "tier": APPLICATION}
 ROOT_MODULES = {"__init__": GROUND, "errors": GROUND, "torch": APPLICATION}
 
 
