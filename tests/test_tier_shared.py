@@ -1,0 +1,154 @@
+"""SharedTier (kvfs/tier/shared.py) against the real cluster: publish, fetch verified,
+tenants apart, a poisoned object never served, the queue bounded, the deadline kept."""
+import os
+import time
+
+import trio
+
+from ceph_cluster import ceph  # noqa: F401  (the session's cluster)
+from kvfs.tier.names import TenantNames
+from kvfs.tier.rados import RadosBackend, load_rados
+from kvfs.tier.shared import SharedTier
+
+
+def make(ceph, tenant, secret, *, deadline=3.0, queue=16, block=1 << 20):
+    ceph_id, keyring = ceph.add_tenant(tenant)
+    conf = ceph.client_conf(ceph_id, keyring)
+    backend = RadosBackend(conf=str(conf), ceph_id=ceph_id, pool="kvpool", namespace=tenant, deadline=deadline)
+    return SharedTier(backend, TenantNames(tenant, secret), deadline=deadline, queue=queue, miss_ttl=0.3,
+                      block_size=block)
+
+
+async def running(tier, nursery):
+    await tier.connect_at_mount()
+    await nursery.start(tier.run)
+
+
+def reader(path, data, mode=0o644):
+    async def read():
+        return path, mode, data
+    return read
+
+
+async def published(tier, files, timeout=20):
+    with trio.fail_after(timeout):
+        while tier.statistics().tier_published_files < files:
+            await trio.sleep(0.02)
+
+
+def test_publish_fetch_dedup_and_tenants(ceph):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = make(ceph, "t1", b"A" * 32)
+            a2 = make(ceph, "t1", b"A" * 32)           # the tenant's second host
+            b = make(ceph, "t2", b"B" * 32)            # another tenant
+            for t in (a, a2, b):
+                await running(t, nursery)
+            path, data = f"/m/{time.time_ns()}".encode(), os.urandom((3 << 20) + 123)
+            assert await a2.fetch(path) is None          # not there yet
+            assert a.offer(reader(path, data))
+            await published(a, 1)
+            s = a.statistics()
+            assert (s.tier_published_blocks, s.tier_published_bytes) == (4, len(data))
+            await trio.sleep(0.35)                       # a2's remembered miss expires
+            assert await a2.fetch(path) == (data, 0o644)
+            assert a2.statistics().tier_fetched_bytes == len(data)
+            assert await b.fetch(path) is None           # another tenant: nothing
+            s = b.statistics()
+            assert (s.tier_hits, s.tier_verify_failures, s.tier_errors) == (0, 0, 0)
+            # The same bytes under another path from the second host: every block a dedup hit.
+            assert a2.offer(reader(path + b".copy", data))
+            await published(a2, 1)
+            s = a2.statistics()
+            assert (s.tier_publish_dedup_blocks, s.tier_published_blocks) == (4, 0)
+            nursery.cancel_scope.cancel()
+        for t in (a, a2, b):
+            t.backend.close()
+    trio.run(main)
+
+
+def test_a_poisoned_block_is_never_served_and_is_quarantined(ceph):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = make(ceph, "t1", b"P" * 32)
+            await running(a, nursery)
+            path, data = f"/p/{time.time_ns()}".encode(), os.urandom(2 << 20)
+            a.offer(reader(path, data))
+            await published(a, 1)
+            names = a.names.block_names(data, 1 << 20)
+            # Wrong bytes under a valid name, written with the tenant's own credentials
+            # straight to RADOS (not through kvfs).
+            rados = load_rados()
+            ceph_id, keyring = ceph.add_tenant("t1")
+            cluster = rados.Rados(conffile=str(ceph.client_conf(ceph_id, keyring)), rados_id=ceph_id)
+            cluster.connect(timeout=5)
+            ioctx = cluster.open_ioctx("kvpool")
+            ioctx.set_namespace("t1")
+            poison = bytearray(data[1 << 20:])
+            poison[5] ^= 1
+            ioctx.write_full(names[1], bytes(poison))
+            fresh = make(ceph, "t1", b"P" * 32)
+            await running(fresh, nursery)
+            assert await fresh.fetch(path) is None
+            s = fresh.statistics()
+            assert (s.tier_verify_failures, s.tier_quarantined, s.tier_hits, s.tier_misses) == (1, 1, 0, 1)
+            with trio.fail_after(10):                   # moved aside in the background
+                while True:
+                    try:
+                        ioctx.stat(names[1])
+                    except rados.ObjectNotFound:
+                        break
+                    await trio.sleep(0.05)
+            assert ioctx.read("q" + names[1], 4 << 20) == bytes(poison)
+            # A forged manifest (right name, no MAC made with the secret) is a miss too.
+            ioctx.write_full(a.names.manifest_name(b"/forged"), b'{"v":1}\n' + b"0" * 64)
+            assert await fresh.fetch(b"/forged") is None
+            assert fresh.statistics().tier_verify_failures == 2
+            # The honest publisher puts the block back; then the file is served again.
+            a.offer(reader(path + b".again", data))
+            await published(a, 2)
+            await trio.sleep(0.35)
+            assert await fresh.fetch(path) == (data, 0o644)
+            ioctx.close()
+            cluster.shutdown()
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_queue_is_bounded_and_drops_are_counted(ceph):
+    async def main():
+        a = make(ceph, "t1", b"Q" * 32, queue=4)        # no workers running: nothing drains
+        offered = [a.offer(reader(b"/q/%d" % i, b"x")) for i in range(10)]
+        assert offered == [True] * 4 + [False] * 6
+        s = a.statistics()
+        assert (s.tier_queue_len, s.tier_queue_drops, s.tier_queue_max) == (4, 6, 4)
+    trio.run(main)
+
+
+def test_fetch_answers_within_the_deadline_while_osds_are_stopped(ceph):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = make(ceph, "t1", b"D" * 32, deadline=1.0)
+            await running(a, nursery)
+            path = f"/d/{time.time_ns()}".encode()
+            ceph.pause_osds()
+            try:
+                t0 = time.monotonic()
+                assert await a.fetch(path) is None
+                took = time.monotonic() - t0
+                print(f"fetch with stopped OSDs: miss after {took:.2f} s (deadline 1 s)")
+                assert took < 1.5
+                assert a.statistics().tier_timeouts >= 1
+                t0 = time.monotonic()
+                assert await a.fetch(path) is None          # remembered: no cluster call
+                assert time.monotonic() - t0 < 0.1
+                a.offer(reader(path, b"late"))              # publishing fails and is counted
+                with trio.fail_after(15):
+                    while not a.statistics().tier_publish_errors:
+                        await trio.sleep(0.05)
+            finally:
+                ceph.resume_osds()
+            a.offer(reader(path, b"late"))                  # resumes once the OSDs answer
+            await published(a, 1, timeout=40)
+            nursery.cancel_scope.cancel()
+    trio.run(main)
