@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Iterable, Sequence
 
 import trio
 
@@ -94,6 +95,19 @@ class BlockCache(ReadSide, WriteBack):
         if any(not (b is None or isinstance(b, bytes)) for b in filedata.blocks):
             return None
         return self.index.placements(filedata.blocks)
+
+    def hold_blocks(self, keys: Sequence[bytes]) -> None:
+        """Pin stored blocks for a reader outside the daemon (kvfs/namespace/leases.py)."""
+        for key in keys:
+            self.index.pin(key)
+
+    def let_go_blocks(self, keys: Sequence[bytes]) -> None:
+        """Unpin what :meth:`hold_blocks` pinned; an unreferenced block is freed with its last pin."""
+        for key in keys:
+            self.index.unpin(key)
+
+    def unreferenced_bytes(self, keys: Iterable[bytes]) -> int:
+        return self.index.unreferenced_bytes(keys)
 
     def statistics(self) -> CacheStatistics:
         s = self._s

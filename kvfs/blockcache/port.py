@@ -10,7 +10,7 @@ namespace owns and passes in on every call; the cache knows no inodes or
 names. Errors are :mod:`kvfs.errors` types (a FileData whose flush failed
 raises its ``failed`` error on read and write).
 """
-from typing import Awaitable, ContextManager, Optional, Protocol, Union
+from typing import Awaitable, ContextManager, Iterable, Optional, Protocol, Sequence, Union
 
 from ..base.aligned import Buffer
 from .filedata import FileData
@@ -36,6 +36,12 @@ class CachePort(Protocol):
     def flush_all(self) -> Awaitable[None]: ...
     # Per block (device offset, length, key, salt) or None for a hole; None if a block is not on the device.
     def stored_extents(self, filedata: FileData) -> Optional[list[Optional[tuple[int, int, bytes, bytes]]]]: ...
+
+    # Blocks a reader outside the daemon holds (a bypass lease): pinned, so not freed nor
+    # reused while held; and how many bytes of them no durable content names any more.
+    def hold_blocks(self, keys: Sequence[bytes]) -> None: ...
+    def let_go_blocks(self, keys: Sequence[bytes]) -> None: ...
+    def unreferenced_bytes(self, keys: Iterable[bytes]) -> int: ...
 
     # The clean cache and prefetch: how many blocks of the window were not cached.
     def prefetch_on_open(self, filedata: FileData) -> int: ...

@@ -229,6 +229,11 @@ class BlockIndex:
         e.pins -= 1
         self._maybe_free(key, e)
 
+    def unreferenced_bytes(self, keys: Iterable[bytes]) -> int:
+        """Device bytes of the blocks ``keys`` that no durable content names: only pins keep them."""
+        entries = self.entries
+        return sum(align_up(e.length) for e in map(entries.get, keys) if e is not None and e.refs <= 0)
+
     def _maybe_free(self, key, e):
         if e.refs <= 0 and e.pins <= 0:
             if self._cut is not None:

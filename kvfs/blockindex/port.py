@@ -25,6 +25,7 @@ class IndexPort(Protocol):
     def has_block(self, key: bytes) -> bool: ...      # may change after an await: ask again
     def pin(self, key: bytes) -> None: ...
     def unpin(self, key: bytes) -> None: ...           # the last pin of an unreferenced block frees it
+    def unreferenced_bytes(self, keys: Iterable[bytes]) -> int: ...   # device bytes of those only pins keep
 
     # Space promised to dirty blocks, so a writer gets ENOSPC at write(), not a lost flush.
     def reserve(self, nbytes: int) -> Awaitable[None]: ...

@@ -1,5 +1,6 @@
 """mount.kvfs: mount a kvfs device; also the mount(8) helper for ``-t kvfs``."""
 import argparse
+import grp
 import ipaddress
 import logging
 import math
@@ -14,11 +15,13 @@ from ..base import crashpoints
 from ..base.gcpolicy import frozen_when_loaded
 from ..blockindex import DedupDomains
 from ..errors import Busy, InvalidArgument, KvfsError, NotFound, NotSupported
+from ..namespace.leases import check_lease_seconds
 from ..namespace.policy import POLICIES
 from ..server.daemon import Daemon, Filesystem, MountOptions
 from ..server.stack import check_mountable
 from ..store import MmpSettings, mmp
 from ..store.mkfs import make_filesystem
+from ..tier.options import TIER_OPTIONS, parse_tier_options
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
 from .admin import wait_exited
 
@@ -50,6 +53,16 @@ def _positive_int(value):
     if number <= 0:
         raise ValueError("must be a positive whole number")
     return number
+
+
+def _group(value):
+    """A group name or number: its gid (a name must exist now, so a typo fails the mount)."""
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ValueError("is not a group on this host") from None
 
 
 def _seconds(value):
@@ -110,9 +123,12 @@ def parse_options(text):
     """
     opts = MountOptions.defaults()
     log_path = None
-    given = set()
+    given, tier_items = set(), []
     for item in filter(None, (text or "").split(",")):
         name, has_value, value = item.partition("=")
+        if name in TIER_OPTIONS:        # the shared tier's own (kvfs/tier/options.py)
+            tier_items.append((name, value))
+            continue
         if name in IGNORED_OPTIONS or name.startswith("x-") or name == "comment":
             continue
         if name == "ro":
@@ -126,7 +142,7 @@ def parse_options(text):
                                               "low_watermark", "eviction_policy", "metrics_port",
                                               "metrics_addr", "io_retry", "io_timeout", "dedup_groups", "dedup_verify",
                                               "mmp_interval", "page_fill", "request_poll", "native_reads",
-                                              "native_direct_io"}
+                                              "native_direct_io", "lease_seconds", "bypass_group"}
         if name not in known:
             raise InvalidArgument(f"unknown mount option {name!r}")
         if not value:
@@ -164,6 +180,10 @@ def parse_options(text):
                 if value not in ("off", "bytes"):
                     raise ValueError("(use off or bytes)")
                 opts.dedup_verify = value == "bytes"
+            elif name == "lease_seconds":
+                opts.lease_seconds = check_lease_seconds(value)
+            elif name == "bypass_group":
+                opts.bypass_group = _group(value)
             elif name in ("page_fill", "request_poll", "native_reads", "native_direct_io"):
                 if value not in ("on", "off"):
                     raise ValueError("(use on or off)")
@@ -190,6 +210,7 @@ def parse_options(text):
                               f"'cache_size' ({opts.cache_size} bytes)")
     if "metrics_addr" in given and "metrics_port" not in given:
         raise InvalidArgument("mount option 'metrics_addr' needs 'metrics_port' too")
+    opts.tier = parse_tier_options(tier_items)
     if log_path is not None and not os.path.isdir(os.path.dirname(log_path)):
         raise NotFound(f"log file directory {os.path.dirname(log_path)} does not exist")
     return opts, log_path
@@ -302,7 +323,7 @@ def main(argv):
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
-                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default off), native_threads=N, native_direct_io=on|off (default off), "
+                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default off), native_threads=N, native_direct_io=on|off (default off), lease_seconds=S (default 5), bypass_group=GROUP, "
                       "high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "io_timeout=SECONDS (default 60, longer than io_retry), "

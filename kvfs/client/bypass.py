@@ -1,25 +1,99 @@
-"""Read whole kvfs files into caller buffers: ``read_into`` and ``read_many``.
+"""Read whole kvfs files into caller buffers, from the device itself when allowed.
 
-    n = kvfs.client.read_into("/mnt/kvfs/chunk", buf)              # buf: bytearray, mmap, ...
+    n = kvfs.client.read_into("/mnt/kvfs/chunk", buf)              # buf: bytearray, mmap, tensor
     ns = kvfs.client.read_many([("/mnt/kvfs/a", buf_a), ("/mnt/kvfs/b", buf_b)])
 
 A buffer is anything writable with the buffer protocol (bytearray, memoryview,
-mmap, a numpy array) or a contiguous CPU torch tensor. It must hold the whole
-file (ValueError otherwise); the count returned is the file's size, never less:
-a file that shrinks under the read raises OSError(EIO) rather than leave stale
-bytes in the buffer's tail.
+mmap, a numpy array) or a contiguous CPU torch tensor (pinned or not). It must
+hold the whole file (ValueError otherwise); the count returned is the file's
+size, never less: a file that shrinks under a read through the mount raises
+OSError(EIO) rather than leave stale bytes in the buffer's tail.
+
+How a read goes (the bypass; docs/architecture.md, "Bypass reads"):
+
+1. The file is opened through the mount, so the kernel checks permissions.
+2. ``user.kvfs.blockmap`` on the open file gives its block map under a lease
+   (kvfs/fuse/blockmaps.py): where each block lies on the device, its key and
+   salt, and the store's seed and secret. The daemon gives maps only to root
+   and to the mount's ``bypass_group``, and only of files exactly on the device.
+3. The blocks are read from the device (opened with O_DIRECT, one descriptor per
+   device for the process) by the native read core, several runs in flight on
+   threads of its own, and each is checked against its key; they land in the
+   caller's buffer (in place when aligned), holes and tails as zeros.
+4. ``user.kvfs.lease.end.<id>`` ends the lease and says whether the file is still
+   what the map described. Only then do the bytes count.
+
+Any failure on that way (no map, a device this process may not open, a block
+that fails its key, a lease that ended stale) makes the file read through the
+mount instead, with the same result. :func:`statistics` counts both ways.
 """
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import dataclasses
 import errno
 import os
-from typing import Any, Sequence, Union
+import threading
+import time
+from typing import Any, Optional, Sequence, Union
 
-__all__ = ["read_into", "read_many"]
+import msgpack
+
+from ..device import _readcore
+
+__all__ = ["read_into", "read_many", "statistics", "BypassStatistics"]
 
 PathLike = Union[str, os.PathLike]
 
+BLOCKMAP_XATTR = b"user.kvfs.blockmap"
+LEASE_END_PREFIX = b"user.kvfs.lease.end."
+XATTR_SIZE_MAX = 65536            # one getxattr with the kernel's largest value: one request to the daemon
+XATTR_NAME_MAX = 255
+READ_THREADS = 8                  # device runs in flight per submission (the read core's threads)
+DENIED_RETRY_S = 10.0             # a mount that refused a map is asked again after this long
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fgetxattr.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+_libc.fgetxattr.restype = ctypes.c_ssize_t
+
+
+@dataclasses.dataclass(frozen=True)
+class BypassStatistics:
+    bypass_files: int             # files read from the device, verified, under a lease that ended valid
+    bypass_bytes: int             # their bytes (what the device delivered to this process)
+    fallback_files: int           # files read through the mount instead
+    no_map: int                   # ... because the daemon gave no map (not allowed, dirty, not kvfs)
+    device_unopenable: int        # ... because this process could not open the device
+    verify_failures: int          # ... because a block failed its key (the mount then verifies again)
+    read_errors: int              # ... because a device read failed
+    stale_leases: int             # ... because the file changed (or the lease expired) during the read
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.devices: dict[str, tuple] = {}      # device path -> (O_DIRECT descriptor, st_dev, st_ino)
+        self.denied: dict[int, float] = {}       # st_dev of a mount that refused a map -> when
+        self.local = threading.local()
+        self.s = dict.fromkeys((f.name for f in dataclasses.fields(BypassStatistics)), 0)
+
+    def count(self, **inc: int) -> None:
+        with self.lock:
+            for name, n in inc.items():
+                self.s[name] += n
+
+
+_state = _State()
+
+
+def statistics() -> BypassStatistics:
+    """What this process's reads did, since it imported kvfs.client."""
+    with _state.lock:
+        return BypassStatistics(**_state.s)
+
+
+# -- buffers and the plain read -------------------------------------------------------------------
 
 def byte_view(buffer: Any) -> memoryview:
     """A writable, flat byte view of ``buffer`` (buffer protocol or a CPU torch tensor)."""
@@ -52,17 +126,179 @@ def plain_read(fd: int, view: memoryview, size: int, path) -> int:
     return done
 
 
-def _open_sized(path: PathLike, view: memoryview) -> tuple[int, int]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+# -- the bypass -----------------------------------------------------------------------------------
+
+def _fgetxattr(fd: int, name: bytes) -> bytes:
+    buf = getattr(_state.local, "buf", None)
+    if buf is None:
+        buf = _state.local.buf = ctypes.create_string_buffer(XATTR_SIZE_MAX)
+    n = _libc.fgetxattr(fd, name, buf, XATTR_SIZE_MAX)
+    if n < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf.raw[:n]
+
+
+def _block_map(fd: int, st_dev: int) -> Optional[dict]:
+    """The file's block map under a lease, or None (refused, not kvfs, a mount that refused lately)."""
+    refused = _state.denied.get(st_dev)
+    if refused is not None and time.monotonic() - refused < DENIED_RETRY_S:
+        return None
     try:
-        size = os.fstat(fd).st_size
-        if size > view.nbytes:
-            raise ValueError(f"{os.fspath(path)}: buffer holds {view.nbytes} bytes, "
-                             f"the file has {size}")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, size
+        found = msgpack.unpackb(_fgetxattr(fd, BLOCKMAP_XATTR), raw=False)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            _state.denied[st_dev] = time.monotonic()       # not for us (or not kvfs): don't ask each time
+        return None
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) and "lease" in found else None
+
+
+def _device_fd(path: str) -> int:
+    """This process's descriptor of the device at ``path`` (O_DIRECT where it can be), or -errno."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return -(exc.errno or errno.EIO)
+    with _state.lock:
+        held = _state.devices.get(path)
+        if held is not None:
+            if held[1:] == (st.st_dev, st.st_ino):
+                return held[0]
+            os.close(held[0])                           # another file or device at that path now
+            del _state.devices[path]
+        try:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:           # a filesystem without O_DIRECT (tmpfs)
+                    raise
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)           # not kept: permissions may change
+        opened = os.fstat(fd)
+        _state.devices[path] = (fd, opened.st_dev, opened.st_ino)
+        return fd
+
+
+def _end_leases(fd: int, ids: list[int]) -> list[bool]:
+    """End the leases ``ids`` (any open kvfs file of the mount will do); per id: still valid."""
+    valid, start = [], 0
+    while start < len(ids):
+        name, end = LEASE_END_PREFIX, start
+        while end < len(ids):
+            part = (b"." if end > start else b"") + b"%x" % ids[end]
+            if len(name) + len(part) > XATTR_NAME_MAX:
+                break
+            name += part
+            end += 1
+        try:
+            answer = _fgetxattr(fd, name)
+        except OSError:
+            answer = b""
+        batch = ids[start:end]
+        valid += [i < len(answer) and answer[i:i + 1] == b"1" for i in range(len(batch))]
+        start = end
+    return valid
+
+
+class _File:
+    __slots__ = ("path", "view", "fd", "size", "map", "first", "count", "ok")
+
+    def __init__(self, path, view, fd, size):
+        self.path, self.view, self.fd, self.size = path, view, fd, size
+        self.map, self.first, self.count, self.ok = None, 0, 0, False
+
+
+def _plan(f: _File, blocks: list, dest: int) -> None:
+    """Add ``f``'s blocks to ``blocks`` for the read core; zero its holes in the buffer now."""
+    m = f.map
+    bs, size = m["block_size"], f.size
+    f.first = len(blocks)
+    for i, b in enumerate(m["blocks"]):
+        start = i * bs
+        want = min(bs, size - start)
+        if want <= 0:
+            break
+        if b is None:
+            f.view[start:start + want] = bytes(want)
+        else:
+            off, length, key, salt = b
+            blocks.append((off, length, key, salt, dest, start, want))
+    covered = len(m["blocks"]) * bs
+    if covered < size:
+        f.view[covered:size] = bytes(size - covered)     # holes past the list
+    f.count = len(blocks) - f.first
+
+
+def _bypass(files: list[_File]) -> None:
+    """Read what can be read from the device into the files' buffers; sets ``ok`` on those."""
+    for f in files:
+        if f.size:
+            st = os.fstat(f.fd)
+            m = _block_map(f.fd, st.st_dev)
+            if m is not None and m.get("size") != f.size:
+                _end_leases(f.fd, [m["lease"]])          # changed since the open: read it plainly
+                m = None
+            f.map = m
+    mapped = [f for f in files if f.map is not None]
+    if not mapped:
+        return
+    try:
+        _read_mapped(mapped)
+    finally:
+        valid = _end_leases(mapped[0].fd, [f.map["lease"] for f in mapped])
+        for f, still in zip(mapped, valid):
+            if f.ok and not still:
+                f.ok = False
+                _state.count(stale_leases=1)
+
+
+def _read_mapped(mapped: list[_File]) -> None:
+    groups: dict[tuple, list[_File]] = {}
+    for f in mapped:
+        groups.setdefault((f.map["device"], f.map["seed"], bytes(f.map["secret"])), []).append(f)
+    for (device, seed, secret), group in groups.items():
+        dev_fd = _device_fd(device)
+        if dev_fd < 0:
+            _state.count(device_unopenable=len(group))
+            continue
+        blocks: list = []
+        for dest, f in enumerate(group):
+            _plan(f, blocks, dest)
+        try:
+            bad = _readcore.read_into(dev_fd, seed, blocks, [f.view for f in group], secret,
+                                      threads=READ_THREADS)
+        except OSError:
+            _state.count(read_errors=len(group))
+            continue
+        bad = set(bad)
+        for f in group:
+            f.ok = not any(i in bad for i in range(f.first, f.first + f.count))
+            if not f.ok:
+                _state.count(verify_failures=1)
+
+
+def _read_files(files: list[_File]) -> list[int]:
+    _bypass(files)
+    sizes = []
+    for f in files:
+        if f.ok:
+            _state.count(bypass_files=1, bypass_bytes=f.size)
+        else:
+            if f.size and f.map is None:
+                _state.count(no_map=1)
+            if f.size:
+                _state.count(fallback_files=1)
+            plain_read(f.fd, f.view, f.size, f.path)
+        sizes.append(f.size)
+    return sizes
+
+
+def read_open_file(fd: int, view: memoryview, size: int, path: PathLike) -> int:
+    """Read the first ``size`` bytes of the file open at ``fd`` into ``view`` (kvfs.torch.load)."""
+    return _read_files([_File(path, view, fd, size)])[0]
 
 
 def read_into(path: PathLike, buffer: Any) -> int:
@@ -71,13 +307,18 @@ def read_into(path: PathLike, buffer: Any) -> int:
 
 
 def read_many(items: Sequence[tuple[PathLike, Any]]) -> list[int]:
-    """Read each ``(path, buffer)`` pair like :func:`read_into`; returns the sizes in order."""
-    sizes = []
-    for path, buffer in items:
-        view = byte_view(buffer)
-        fd, size = _open_sized(path, view)
-        try:
-            sizes.append(plain_read(fd, view, size, path))
-        finally:
-            os.close(fd)
-    return sizes
+    """Read each ``(path, buffer)`` pair like :func:`read_into`, the device reads of all of
+    them in one submission; returns the sizes in order."""
+    files: list[_File] = []
+    try:
+        for path, buffer in items:
+            view = byte_view(buffer)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            size = os.fstat(fd).st_size
+            files.append(_File(path, view, fd, size))
+            if size > view.nbytes:
+                raise ValueError(f"{os.fspath(path)}: buffer holds {view.nbytes} bytes, the file has {size}")
+        return _read_files(files)
+    finally:
+        for f in files:
+            os.close(f.fd)

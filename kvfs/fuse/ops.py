@@ -24,6 +24,7 @@ from ..errors import (AccessDenied, InternalError, InvalidArgument, KvfsError, N
                      NotSupported)
 from ..namespace import BY_HASH_INO, KEY_XATTR, META_DIR_INO, NAME_MAX, ROOT_INO, VIEW_BIT
 from ..namespace.port import NamespacePort
+from .blockmaps import BlockMaps
 from .frontend import NativeReads
 from .pagedrops import KernelPageDropper
 from .pagefill import FILL_MOST, PageFiller
@@ -118,6 +119,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.page_filler: Optional[PageFiller] = None            # once mounted (kvfs/fuse/pagefill.py)
         self.native: Optional[NativeReads] = None                # the native read plane (kvfs/fuse/frontend.py)
         self.native_direct_io = False    # read-only opens it serves bypass the page cache (native_direct_io)
+        self.block_maps: Optional[BlockMaps] = None              # bypass readers' maps (kvfs/fuse/blockmaps.py)
         self.kernel_reads = 0            # READ requests from the kernel (page fills are not among them)
         self.kernel_lookups = 0          # LOOKUP and GETATTR requests: what the kernel could not answer
         self.kernel_getattrs = 0         # from its caches (see ENTRY_TIMEOUT)
@@ -423,6 +425,8 @@ class KvfsOperations(pyfuse3.Operations):
         if inode == ROOT_INO and name == RESULT_XATTR and ctx.pid in self._results:
             # Kept, not popped: the kernel may ask twice (first with a buffer too small).
             return self._results[ctx.pid]
+        if self.block_maps is not None and self.block_maps.handles(name):
+            return self.block_maps.answer(inode, name, ctx)
         if name == KEY_XATTR:
             key = await self.ns.content_key(inode)      # the key names sealed content only
             if key is not None:

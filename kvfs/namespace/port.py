@@ -9,7 +9,7 @@ Inodes are numbers, names are bytes, open files are handles (``fh``). Errors
 are :mod:`kvfs.errors` types; the FUSE layer turns them into errno in one place.
 """
 import dataclasses
-from typing import Any, Awaitable, ContextManager, Iterator, Optional, Protocol
+from typing import Any, Awaitable, ContextManager, Iterator, Optional, Protocol, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +37,36 @@ class NativeExtents:
     blocks: list
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaseGrant:
+    """What :meth:`NamespacePort.lease_blocks` answers: a sealed file's blocks, held for a bypass reader.
+
+    ``blocks`` as in :class:`NativeExtents`; they stay allocated and unreused
+    until :meth:`NamespacePort.end_leases` ends the lease, or ``seconds`` pass.
+    """
+    lease_id: int
+    seconds: float
+    generation: int
+    size: int
+    block_size: int
+    blocks: list
+
+
+class TierPort(Protocol):
+    """What the namespace may use of the shared tier (kvfs/tier/shared.py implements it;
+    kvfs/server/stack.py wires it in as ``Namespace.tier``)."""
+    def offer(self, read: Any) -> bool: ...        # never awaits; False: dropped (queue full)
+    def fetch(self, path: bytes) -> Awaitable[Optional[tuple]]: ...   # (content, mode) verified, or None
+    miss_ttl: float                                 # seconds a miss may be cached (kernel too)
+
+
 class NamespacePort(Protocol):
     block_size: int                  # fixed by mkfs
 
     # Names and inodes.
     def lookup(self, parent: int, name: bytes) -> int: ...          # counts one kernel lookup
+    def lookup_remote(self, parent: int, name: bytes) -> Awaitable[int]: ...   # after NotFound: the shared tier
+    tier: Optional[TierPort]
     def count_lookup(self, ino: int) -> None: ...
     def forget(self, ino: int, count: int) -> None: ...
     def inode(self, ino: int) -> Any: ...
@@ -80,6 +105,11 @@ class NamespacePort(Protocol):
     # read sees (any content change, the last close), before that change is answered.
     def native_extents(self, fh: int) -> Optional[NativeExtents]: ...
     content_watcher: Optional[Any]
+
+    # Readers that read the device themselves (kvfs.client): a sealed file's blocks under a
+    # lease, and the lease's end, which says per lease whether the file is unchanged since.
+    def lease_blocks(self, ino: int) -> Optional[LeaseGrant]: ...
+    def end_leases(self, ids: Sequence[int]) -> list[bool]: ...
 
     # The by-hash view.
     def lookup_view(self, name: bytes, caller: Any) -> Awaitable[int]: ...   # counts one lookup; NotFound
