@@ -149,6 +149,12 @@ typedef struct {
     struct published *withdrawn_head, *withdrawn_tail;
     _Atomic uint64_t handed;            /* the highest unique a reader has read */
     _Atomic uint64_t *busy;             /* per reader: the unique it is serving, 0 when idle */
+    /* Forwarding in the kernel's order (see forward()): one reader at a time
+     * takes a request off /dev/fuse, and marks it undecided before the next may. */
+    pthread_mutex_t read_lock;
+    pthread_mutex_t order_lock;
+    pthread_cond_t order_cond;
+    uint64_t *undecided;                /* per reader: a request not yet forwarded nor served, or 0 */
     pthread_mutex_t pending_lock;
     struct pending *pending[TABLE_BUCKETS];
     struct msgqueue forwards;           /* requests for pyfuse3 that found the socket full */
@@ -316,10 +322,63 @@ static void *notifier_main(void *arg)
     return NULL;
 }
 
-static void forward(Plane *p, int fd, const char *buf, size_t len)
+/* -- the kernel's order ------------------------------------------------------
+ * pyfuse3 must see requests in the order the kernel queued them (their
+ * uniques grow in that order): kvfs's O_TRUNC window answers a READ the kernel
+ * sent before an O_TRUNC open from the old content only until a request of
+ * the truncating descriptor arrives (kvfs/namespace/truncation.py), and that
+ * holds only if the READ reaches pyfuse3 first. Readers take requests off
+ * /dev/fuse one at a time (read_lock), each marking its request undecided
+ * before the next reader may take one; a request is forwarded only when no
+ * other reader holds an undecided request with a smaller unique. A READ is
+ * decided as soon as its published version is found (serve_read), so
+ * forwarding never waits for a device read. One exception is left: a native
+ * READ whose device read or check fails goes to pyfuse3 late, possibly after
+ * later requests (a damaged device: pyfuse3 reads and checks the block again). */
+
+static void order_mark(Plane *p, int reader, uint64_t unique)
+{
+    pthread_mutex_lock(&p->order_lock);
+    p->undecided[reader] = unique;
+    pthread_mutex_unlock(&p->order_lock);
+}
+
+static void order_clear_locked(Plane *p, int reader)
+{
+    if (p->undecided[reader]) {
+        p->undecided[reader] = 0;
+        pthread_cond_broadcast(&p->order_cond);
+    }
+}
+
+static void order_clear(Plane *p, int reader)
+{
+    pthread_mutex_lock(&p->order_lock);
+    order_clear_locked(p, reader);
+    pthread_mutex_unlock(&p->order_lock);
+}
+
+/* Wait (holding order_lock) until no other reader holds an undecided request older than `unique`. */
+static void order_wait_turn_locked(Plane *p, int reader, uint64_t unique)
+{
+    for (;;) {
+        int older = 0;
+        for (int i = 0; i < p->nthreads && !older; i++)
+            older = i != reader && p->undecided[i] && p->undecided[i] < unique;
+        if (!older || atomic_load(&p->stopping))
+            return;
+        pthread_cond_wait(&p->order_cond, &p->order_lock);
+    }
+}
+
+static void forward(Plane *p, int fd, int reader, const char *buf, size_t len)
 {
     const struct fuse_in_header *in = (const void *)buf;
     COUNT(p, forwarded_requests, 1);
+    pthread_mutex_lock(&p->order_lock);
+    if (len >= sizeof *in)
+        order_wait_turn_locked(p, reader, in->unique);
+    order_clear_locked(p, reader);      /* sent below, before anyone else may send */
     if (len >= sizeof *in) {
         if (in->opcode == FUSE_INTERRUPT) {
             /* Only pyfuse3's own requests can be interrupted there; a native
@@ -328,6 +387,7 @@ static void forward(Plane *p, int fd, const char *buf, size_t len)
             const struct fuse_interrupt_in *ii = (const void *)(in + 1);
             if (len < sizeof *in + sizeof *ii || pending_fd(p, ii->unique, 0) < 0) {
                 COUNT(p, interrupts_dropped, 1);
+                pthread_mutex_unlock(&p->order_lock);
                 return;
             }
         } else if (in->opcode != FUSE_FORGET && in->opcode != FUSE_BATCH_FORGET
@@ -335,7 +395,8 @@ static void forward(Plane *p, int fd, const char *buf, size_t len)
             pending_put(p, in->unique, fd);     /* these three have no reply */
         }
     }
-    send_to_python(p, buf, len);
+    send_to_python(p, buf, len);        /* never blocks: a full socket queues it, in order */
+    pthread_mutex_unlock(&p->order_lock);
 }
 
 /* -- native READs ---------------------------------------------------------- */
@@ -395,7 +456,8 @@ static struct published *find_for(Plane *p, uint64_t nodeid, uint64_t unique)
 }
 
 /* Serve a READ natively: 1 if answered, 0 if it must go to pyfuse3. */
-static int serve_read(Plane *p, int fd, const struct fuse_in_header *in, size_t len, struct reader_state *s)
+static int serve_read(Plane *p, int fd, int reader, const struct fuse_in_header *in, size_t len,
+                      struct reader_state *s)
 {
     const struct fuse_read_in *r = (const void *)(in + 1);
     if (len < sizeof *in + sizeof *r)
@@ -431,6 +493,7 @@ static int serve_read(Plane *p, int fd, const struct fuse_in_header *in, size_t 
         }
     }
     pthread_rwlock_unlock(&p->table_lock);
+    order_clear(p, reader);             /* decided: later requests need not wait for the device */
 
     size_t nreads = 0;
     for (size_t i = 0; i < nb; i++) {
@@ -518,7 +581,23 @@ static void *reader_main(void *arg)
         return NULL;
     }
     while (!atomic_load(&p->stopping)) {
+        pthread_mutex_lock(&p->read_lock);
+        if (atomic_load(&p->stopping)) {
+            pthread_mutex_unlock(&p->read_lock);
+            break;
+        }
         ssize_t len = read(fd, buf, REQUEST_BUFFER);
+        int read_errno = errno;
+        const struct fuse_in_header *in = (const void *)buf;
+        if (len >= (ssize_t)sizeof *in) {
+            order_mark(p, ra_index, in->unique);
+            atomic_store(&p->busy[ra_index], in->unique);
+            uint64_t seen = atomic_load(&p->handed);
+            while (in->unique > seen && !atomic_compare_exchange_weak(&p->handed, &seen, in->unique))
+                ;
+        }
+        pthread_mutex_unlock(&p->read_lock);
+        errno = read_errno;
         if (len < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
                 continue;               /* ENOENT: the request was interrupted before we read it */
@@ -528,16 +607,9 @@ static void *reader_main(void *arg)
             break;
         }
         COUNT(p, requests, 1);
-        const struct fuse_in_header *in = (const void *)buf;
-        if ((size_t)len >= sizeof *in) {
-            atomic_store(&p->busy[ra_index], in->unique);
-            uint64_t seen = atomic_load(&p->handed);
-            while (in->unique > seen && !atomic_compare_exchange_weak(&p->handed, &seen, in->unique))
-                ;
-        }
         if ((size_t)len >= sizeof *in) {
             if (in->opcode == FUSE_READ) {
-                if (serve_read(p, fd, in, (size_t)len, &s)) {
+                if (serve_read(p, fd, ra_index, in, (size_t)len, &s)) {
                     atomic_store(&p->busy[ra_index], 0);
                     continue;
                 }
@@ -551,7 +623,7 @@ static void *reader_main(void *arg)
                 atomic_store(&p->init_unique, in->unique);
             }
         }
-        forward(p, fd, buf, (size_t)len);
+        forward(p, fd, ra_index, buf, (size_t)len);
         atomic_store(&p->busy[ra_index], 0);
     }
     free(buf);
@@ -652,7 +724,8 @@ static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
     p->nthreads = threads;
     p->max_background = (uint16_t)max_background;
     p->busy = calloc((size_t)threads, sizeof *p->busy);
-    if (p->busy == NULL) {
+    p->undecided = calloc((size_t)threads, sizeof *p->undecided);
+    if (p->busy == NULL || p->undecided == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -663,6 +736,9 @@ static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
     }
     pthread_rwlock_init(&p->table_lock, NULL);
     pthread_mutex_init(&p->pending_lock, NULL);
+    pthread_mutex_init(&p->read_lock, NULL);
+    pthread_mutex_init(&p->order_lock, NULL);
+    pthread_cond_init(&p->order_cond, NULL);
     mq_init(&p->forwards);
     mq_init(&p->notices);
     return 0;
@@ -711,12 +787,16 @@ static PyObject *Plane_start(Plane *p, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
-/* Join a thread that may be blocked in a read or write of /dev/fuse: those
- * sleep until a request or a signal, so poke it until it has seen `stopping`. */
-static void join_poking(pthread_t thread)
+/* Join threads[0] of `n` threads that may be blocked in a read or write of
+ * /dev/fuse: those sleep until a request or a signal, so poke them until it has
+ * seen `stopping`. All n are poked: threads[0] may be waiting for read_lock,
+ * held by another reader asleep in read(). */
+static void join_poking(pthread_t *threads, int n)
 {
     for (;;) {
-        pthread_kill(thread, WAKE_SIGNAL);
+        for (int i = 0; i < n; i++)
+            pthread_kill(threads[i], WAKE_SIGNAL);
+        pthread_t thread = threads[0];
         struct timespec t;
         clock_gettime(CLOCK_REALTIME, &t);
         t.tv_nsec += 20 * 1000 * 1000;
@@ -732,8 +812,11 @@ static void join_poking(pthread_t thread)
 static void stop_threads(Plane *p)
 {
     atomic_store(&p->stopping, 1);
+    pthread_mutex_lock(&p->order_lock);
+    pthread_cond_broadcast(&p->order_cond);     /* a reader may wait for its turn to forward */
+    pthread_mutex_unlock(&p->order_lock);
     for (int i = 0; i < p->nthreads; i++)
-        join_poking(p->readers[i]);
+        join_poking(p->readers + i, p->nthreads - i);
     shutdown(p->sock_fd, SHUT_RD);
     pthread_join(p->relay, NULL);
     struct msgqueue *queues[] = {&p->forwards, &p->notices};
@@ -745,7 +828,7 @@ static void stop_threads(Plane *p)
     /* The sender may be blocked in send() to a pyfuse3 that reads no more. */
     shutdown(p->sock_fd, SHUT_WR);
     pthread_join(p->sender, NULL);
-    join_poking(p->notifier);           /* it may sit in a write the kernel holds */
+    join_poking(&p->notifier, 1);           /* it may sit in a write the kernel holds */
     for (int i = 1; i < p->nthreads; i++)
         close(p->fds[i]);
 }
@@ -818,9 +901,10 @@ static void unlink_version(Plane *p, struct published *f)
 }
 
 /* Free the withdrawn versions no reader can still need: every READ handed out
- * up to their `until` has been served (the write lock is held). A reader that
- * has read a request but not yet marked itself busy may find its version gone:
- * it then forwards the READ, which is always safe. */
+ * up to their `until` has been served (the write lock is held). A reader marks
+ * itself busy before it lets the next reader take a request, and before
+ * `handed` grows past its request: so a version valid for a READ in hand is
+ * never collected under it. */
 static void collect_versions(Plane *p)
 {
     uint64_t oldest_busy = atomic_load(&p->handed) + 1;
@@ -965,6 +1049,7 @@ static void Plane_dealloc(Plane *p)
     free(p->fds);
     free(p->readers);
     free((void *)p->busy);
+    free(p->undecided);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
