@@ -26,6 +26,8 @@ How a read goes (the bypass; docs/architecture.md, "Bypass reads"):
 Any failure on that way (no map, a device this process may not open, a block
 that fails its key, a lease that ended stale) makes the file read through the
 mount instead, with the same result. :func:`statistics` counts both ways.
+``KVFS_CLIENT_BYPASS=off`` in the environment turns the bypass off (every read
+through the mount), to compare the two or to rule the bypass out.
 """
 from __future__ import annotations
 
@@ -33,14 +35,35 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import threading
 import time
 from typing import Any, Optional, Sequence, Union
 
 import msgpack
 
-from ..device import _readcore
+
+def _load_readcore():
+    """The native read core (kvfs/device/_readcore.c), loaded from its file: importing the
+    kvfs.device package would bring trio and the daemon's device layer into every engine."""
+    loaded = sys.modules.get("kvfs.device._readcore")
+    if loaded is not None:
+        return loaded
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "device")
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(folder, "_readcore" + suffix)
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location("kvfs.device._readcore", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"kvfs's read core is not built (no _readcore extension in {folder})")
+
+
+_readcore = _load_readcore()
 
 __all__ = ["read_into", "read_many", "statistics", "BypassStatistics"]
 
@@ -51,6 +74,7 @@ LEASE_END_PREFIX = b"user.kvfs.lease.end."
 XATTR_SIZE_MAX = 65536            # one getxattr with the kernel's largest value: one request to the daemon
 XATTR_NAME_MAX = 255
 READ_THREADS = 8                  # device runs in flight per submission (the read core's threads)
+BYPASS_ENV = "KVFS_CLIENT_BYPASS"  # "off": read through the mount only
 DENIED_RETRY_S = 10.0             # a mount that refused a map is asked again after this long
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -234,6 +258,8 @@ def _plan(f: _File, blocks: list, dest: int) -> None:
 
 def _bypass(files: list[_File]) -> None:
     """Read what can be read from the device into the files' buffers; sets ``ok`` on those."""
+    if os.environ.get(BYPASS_ENV, "on") == "off":
+        return
     for f in files:
         if f.size:
             st = os.fstat(f.fd)
@@ -296,9 +322,17 @@ def _read_files(files: list[_File]) -> list[int]:
     return sizes
 
 
-def read_open_file(fd: int, view: memoryview, size: int, path: PathLike) -> int:
-    """Read the first ``size`` bytes of the file open at ``fd`` into ``view`` (kvfs.torch.load)."""
-    return _read_files([_File(path, view, fd, size)])[0]
+def bypass_open_file(fd: int, view: memoryview, size: int, path: PathLike) -> bool:
+    """Try to read the first ``size`` bytes of the file open at ``fd`` into ``view`` from the
+    device; False (nothing promised of ``view``) if the caller must read it through the mount
+    (kvfs.torch.load then reads it its own way)."""
+    f = _File(path, view, fd, size)
+    _bypass([f])
+    if f.ok:
+        _state.count(bypass_files=1, bypass_bytes=size)
+    elif size:
+        _state.count(fallback_files=1, no_map=int(f.map is None))
+    return f.ok
 
 
 def read_into(path: PathLike, buffer: Any) -> int:
