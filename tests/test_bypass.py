@@ -290,6 +290,10 @@ def test_a_lease_held_defers_the_free_of_an_unlinked_file(kvfs_factory):
     held = _daemon(fs)
     assert held["leases_held"] == 1 and held["lease_deferred_bytes"] == 2 * MiB
     assert held["used_bytes"] == base["used_bytes"] + 4096      # g's block; f's blocks kept
+    shown = fs.admin("stats", fs.mnt).stdout                   # kvfs-admin stats and the metrics show it
+    assert "1 leases held" in shown and "of frees deferred" in shown, shown
+    metrics = fs.admin("metrics", fs.mnt).stdout
+    assert "kvfs_leases_held 1" in metrics and f"kvfs_lease_deferred_bytes {2 * MiB}" in metrics
     assert _end(fs.mnt / "g", m["lease"]) is True               # unlinked is not changed
     after = _daemon(fs)
     assert after["leases_held"] == 0 and after["used_bytes"] == base["used_bytes"] - 2 * MiB + 4096

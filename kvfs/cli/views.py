@@ -122,6 +122,11 @@ def summary(stats, rates=None):
         lines.append(f"  native    {g('native_reads', 0):,} READs ({human(g('native_read_bytes'))}) answered "
                      f"without Python, {g('native_forwarded_reads', 0):,} handed to it; "
                      f"{g('native_published_files', 0):,} files published")
+    if s.get("block_maps_served") or s.get("leases_held"):      # bypass readers (kvfs.client)
+        lines.append(f"  bypass    {g('block_maps_served', 0):,} block maps ({human(g('bypass_bytes_mapped'))}); "
+                     f"{g('leases_held', 0):,} leases held ({human(g('lease_bytes_held'))}, "
+                     f"{human(g('lease_deferred_bytes'))} of frees deferred), {g('leases_stale', 0):,} ended stale, "
+                     f"{g('leases_expired', 0):,} expired")
     if "evictions" in s:
         lines += ["eviction", f"  evicted   {s['evictions']:,} files, {human(s.get('evicted_bytes', 0))}"]
     errors = _error_lines(s)
