@@ -440,12 +440,14 @@ def test_a_bypass_group_member_gets_maps_of_its_own_files_only(shared_kvfs, clie
     write_new(fs.mnt / "root-file", pattern(seed, data_size))
     _sealed(fs, "root-file")
     mine = fs.mnt / "nobody-file"
-    got = _as_user(NOBODY, NOBODY, client_tree, f"write:{mine}:{seed}:{data_size}", mine,
-                   f"map:{mine}", f"map:{fs.mnt / 'root-file'}", fs.mnt / "root-file")
-    own_read, own_map, other_map, other_read = got["out"]
+    # root's file first: a refusal for a file it does not own must not stop its own bypass.
+    got = _as_user(NOBODY, NOBODY, client_tree, f"write:{mine}:{seed}:{data_size}", fs.mnt / "root-file",
+                   mine, f"map:{mine}", f"map:{fs.mnt / 'root-file'}")
+    other_read, own_read, own_map, other_map = got["out"]
     want = hashlib.sha256(pattern(seed, data_size)).hexdigest()
     assert own_read["sha"] == want and other_read["sha"] == want
     assert other_map == {"errno": errno.EACCES}, "nobody was handed root's extents"
+    assert got["stats"]["no_map"] == 1
     assert got["stats"]["bypass_files"] == 1 and got["stats"]["fallback_files"] == 1
     nobody_map = msgpack.unpackb(bytes.fromhex(own_map["map"]))
     root_map = _take_map(fs.mnt / "root-file")

@@ -171,7 +171,7 @@ def _block_map(fd: int, st_dev: int) -> Optional[dict]:
     try:
         found = msgpack.unpackb(_fgetxattr(fd, BLOCKMAP_XATTR), raw=False)
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+        if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
             _state.denied[st_dev] = time.monotonic()       # not for us (or not kvfs): don't ask each time
         return None
     except ValueError:
@@ -228,11 +228,11 @@ def _end_leases(fd: int, ids: list[int]) -> list[bool]:
 
 
 class _File:
-    __slots__ = ("path", "view", "fd", "size", "map", "first", "count", "ok")
+    __slots__ = ("path", "view", "fd", "size", "map", "first", "count", "ok", "st_dev")
 
     def __init__(self, path, view, fd, size):
         self.path, self.view, self.fd, self.size = path, view, fd, size
-        self.map, self.first, self.count, self.ok = None, 0, 0, False
+        self.map, self.first, self.count, self.ok, self.st_dev = None, 0, 0, False, 0
 
 
 def _plan(f: _File, blocks: list, dest: int) -> None:
@@ -262,8 +262,8 @@ def _bypass(files: list[_File]) -> None:
         return
     for f in files:
         if f.size:
-            st = os.fstat(f.fd)
-            m = _block_map(f.fd, st.st_dev)
+            f.st_dev = os.fstat(f.fd).st_dev
+            m = _block_map(f.fd, f.st_dev)
             if m is not None and m.get("size") != f.size:
                 _end_leases(f.fd, [m["lease"]])          # changed since the open: read it plainly
                 m = None
@@ -274,11 +274,15 @@ def _bypass(files: list[_File]) -> None:
     try:
         _read_mapped(mapped)
     finally:
-        valid = _end_leases(mapped[0].fd, [f.map["lease"] for f in mapped])
-        for f, still in zip(mapped, valid):
-            if f.ok and not still:
-                f.ok = False
-                _state.count(stale_leases=1)
+        by_mount: dict[int, list[_File]] = {}          # lease ids are the daemon's: end each on its mount
+        for f in mapped:
+            by_mount.setdefault(f.st_dev, []).append(f)
+        for group in by_mount.values():
+            valid = _end_leases(group[0].fd, [f.map["lease"] for f in group])
+            for f, still in zip(group, valid):
+                if f.ok and not still:
+                    f.ok = False
+                    _state.count(stale_leases=1)
 
 
 def _read_mapped(mapped: list[_File]) -> None:

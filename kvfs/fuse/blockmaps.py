@@ -7,8 +7,9 @@
     starts from), and ``blocks``: per block of the file, ``[device offset,
     length, key, salt]``, or nil for a hole. A lease pins those extents
     (kvfs/namespace/leases.py). ENODATA when the file is not exactly its stored
-    blocks now (dirty, open for writing, being truncated); EACCES for a caller
-    who may not read the device (below).
+    blocks now (dirty, open for writing, being truncated); EPERM for a caller
+    who may not read the device, EACCES for one who may but does not own the
+    file (below).
 ``user.kvfs.lease.end.<id>[.<id>...]`` (ids in hex)
     ends those leases; the answer holds one byte per id, ``1`` if the file's
     content is what it was when the lease was granted (the bytes read under it
@@ -32,7 +33,7 @@ from typing import Optional
 import msgpack
 from pyfuse3 import RequestContext
 
-from ..errors import AccessDenied, InvalidArgument, NoData
+from ..errors import AccessDenied, InvalidArgument, NoData, NotPermitted
 from ..namespace.port import NamespacePort
 
 BLOCKMAP_XATTR = b"user.kvfs.blockmap"
@@ -87,7 +88,7 @@ class BlockMaps:
     def answer(self, ino: int, name: bytes, ctx: RequestContext) -> bytes:
         if not self.may_bypass(ctx):
             self._s["denied"] += 1
-            raise AccessDenied("block maps are for root and the mount's bypass_group")
+            raise NotPermitted("block maps are for root and the mount's bypass_group")
         if name != BLOCKMAP_XATTR:
             return self._end(name)
         if ctx.uid != 0 and self.ns.inode(ino).uid != ctx.uid:
