@@ -85,20 +85,34 @@ class Engine:
     """One LMCacheEngine with a local-disk backend on ``directory``."""
 
     def __init__(self, directory: str, *, use_odirect: bool, shape: ModelShape = SMALL,
-                 disk_io_threads: int = 8, cpu_pool_gb: float = 0.25, disk_gb: float = 64.0):
+                 disk_io_threads: int = 8, cpu_pool_gb: float = 0.25, disk_gb: float = 64.0,
+                 plugin: bool = False):
         self.shape = shape
+        self.plugin = plugin
         self.instance_id = f"kvfs-{uuid.uuid4().hex}"
         # local_cpu False: the CPU pool is only a staging area, so every retrieve
         # is served by the disk backend (the path this workload exists to measure).
-        self.config = LMCacheEngineConfig.from_defaults(
-            chunk_size=CHUNK_TOKENS,
-            local_cpu=False,
-            max_local_cpu_size=cpu_pool_gb,
-            local_disk=f"file://{directory}",
-            max_local_disk_size=disk_gb,
-            extra_config={"use_odirect": use_odirect, "disk_io_threads": disk_io_threads},
-            lmcache_instance_id=self.instance_id,
-        )
+        if plugin:
+            # The kvfs storage plugin (kvfs/client/lmcache.py) instead of the local disk
+            # backend, configured exactly as docs/engines.md shows.
+            self.config = LMCacheEngineConfig.from_defaults(
+                chunk_size=CHUNK_TOKENS,
+                local_cpu=False,
+                max_local_cpu_size=cpu_pool_gb,
+                storage_plugins=["kvfs"],
+                extra_config=plugin_extra_config(directory, disk_io_threads),
+                lmcache_instance_id=self.instance_id,
+            )
+        else:
+            self.config = LMCacheEngineConfig.from_defaults(
+                chunk_size=CHUNK_TOKENS,
+                local_cpu=False,
+                max_local_cpu_size=cpu_pool_gb,
+                local_disk=f"file://{directory}",
+                max_local_disk_size=disk_gb,
+                extra_config={"use_odirect": use_odirect, "disk_io_threads": disk_io_threads},
+                lmcache_instance_id=self.instance_id,
+            )
         metadata = LMCacheMetadata(
             model_name=shape.name, world_size=1, local_world_size=1, worker_id=0,
             local_worker_id=0, kv_dtype=shape.dtype,
@@ -110,10 +124,16 @@ class Engine:
             mock_up_broadcast_fn, mock_up_broadcast_object_fn)
         self.engine.post_init()
 
+        if plugin and "kvfs" not in self.engine.storage_manager.storage_backends:
+            # LMCache logs a plugin that fails to load and carries on without it.
+            LMCacheEngineBuilder.destroy(self.instance_id)
+            raise RuntimeError("LMCache did not load the kvfs storage plugin")
+
     @property
     def disk(self):
-        """LMCache's LocalDiskBackend instance (for waiting on its writes)."""
-        return self.engine.storage_manager.storage_backends["LocalDiskBackend"]
+        """The backend chunks go to: LMCache's LocalDiskBackend, or the kvfs plugin."""
+        backends = self.engine.storage_manager.storage_backends
+        return backends["kvfs"] if self.plugin else backends["LocalDiskBackend"]
 
     def store(self, tokens: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` for ``tokens`` and wait until every chunk file is written.
@@ -129,7 +149,12 @@ class Engine:
     def wait_written(self, keys, timeout: float = 300.0) -> None:
         disk = self.disk
         deadline = time.monotonic() + timeout
-        while not all(disk.contains(k) for k in keys) or disk.disk_worker.put_tasks:
+        def pending():
+            if self.plugin:
+                return any(disk.exists_in_put_tasks(k) for k in keys)
+            return bool(disk.disk_worker.put_tasks)
+
+        while not all(disk.contains(k) for k in keys) or pending():
             if time.monotonic() > deadline:
                 raise TimeoutError("LMCache local-disk puts did not finish")
             time.sleep(0.01)
@@ -139,14 +164,46 @@ class Engine:
         mask = self.engine.retrieve(tokens, kvcaches=kv, req_id=uuid.uuid4().hex)
         return int(mask.sum())
 
+    def lookup(self, tokens: torch.Tensor) -> int:
+        """How many leading tokens LMCache would load instead of recomputing."""
+        return int(self.engine.lookup(tokens))
+
     def files(self) -> list[str]:
         """Chunk file paths LMCache holds in its (RAM-only) index."""
+        if self.plugin:
+            return sorted(os.path.join(self.disk.path, os.readlink(self.disk.link_path(k)))
+                          for k in self.disk_keys())
         with self.disk.disk_lock:
             return [meta.path for meta in self.disk.dict.values()]
+
+    def disk_keys(self) -> list:
+        """The keys of every chunk file under the plugin's directory."""
+        from lmcache.utils import CacheEngineKey
+        keys = []
+        for name in os.listdir(self.disk.path):
+            if name.endswith(".kvc"):
+                text = _unquote(name[:-len(".kvc")])
+                keys.append(CacheEngineKey.from_string(text))
+        return keys
 
     def close(self) -> None:
         LMCacheEngineBuilder.destroy(self.instance_id)
         gc.collect()  # drop the CPU staging pool before the next engine allocates one
+
+
+def plugin_extra_config(directory: str, put_threads: int = 8) -> dict:
+    """The extra_config that loads the kvfs storage plugin on ``directory``."""
+    return {
+        "storage_plugin.kvfs.module_path": "kvfs.client.lmcache",
+        "storage_plugin.kvfs.class_name": "KvfsBackend",
+        "storage_plugin.kvfs.path": directory,
+        "storage_plugin.kvfs.put_threads": put_threads,
+    }
+
+
+def _unquote(text: str) -> str:
+    from urllib.parse import unquote
+    return unquote(text)
 
 
 def make_engine(directory: str, use_odirect: bool, shape: ModelShape = SMALL, **kw) -> Engine:
@@ -185,8 +242,10 @@ def retrieve(engine: Engine, tokens, shape: ModelShape = SMALL) -> tuple[int, to
 
 def run(directory: str, *, chunks: int, use_odirect: bool,
         cold_hook: Optional[Callable[[], None]] = None,
-        shape: ModelShape = LLAMA3_8B, disk_io_threads: int = 8) -> dict:
+        shape: ModelShape = LLAMA3_8B, disk_io_threads: int = 8, plugin: bool = False) -> dict:
     """Store ``chunks`` chunks, make the cache cold, retrieve them, report bandwidth.
+
+    ``plugin``: through the kvfs storage plugin instead of the local disk backend.
 
     With local_cpu off, LMCache's CPU pool only stages transfers, so the retrieve
     is served by LocalDiskBackend: ``disk_io_threads`` concurrent readinto calls,
@@ -196,7 +255,7 @@ def run(directory: str, *, chunks: int, use_odirect: bool,
     tokens, kv = make_request(chunks, shape)
     pool_gb = max(1.0, 1.25 * chunks * shape.chunk_bytes / 2**30)
     eng = make_engine(directory, use_odirect, shape, disk_io_threads=disk_io_threads,
-                      cpu_pool_gb=pool_gb)
+                      cpu_pool_gb=pool_gb, plugin=plugin)
     try:
         t0 = time.perf_counter()
         eng.store(tokens, kv)
@@ -218,6 +277,7 @@ def run(directory: str, *, chunks: int, use_odirect: bool,
         "chunks": chunks,
         "chunk_bytes": shape.chunk_bytes,
         "use_odirect": use_odirect,
+        "plugin": plugin,
         "store_seconds": store_seconds,
         "retrieve_bytes": nbytes,
         "retrieve_seconds": retrieve_seconds,
