@@ -22,6 +22,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -56,7 +57,7 @@ class CephCluster:
         self.objectstore = objectstore
         tag = f"{os.getpid() % 100000}"
         self.dir = Path(tempfile.mkdtemp(prefix="kvc", dir="/tmp"))   # short: admin sockets <108 bytes
-        self.netns = f"kvt{tag}c"
+        self.netns = f"kvt{tag}-c"
         self.bridge = f"kvb{tag}"
         self.root_veth = f"kvr{tag}"
         self.subnet = f"10.{random.randint(100, 250)}.{random.randint(0, 250)}"
@@ -116,9 +117,6 @@ mon_warn_on_pool_no_redundancy = false
 mon_osd_min_down_reporters = 1
 osd_heartbeat_interval = 1
 osd_heartbeat_grace = 5
-osd_op_num_shards = 1
-osd_op_num_threads_per_shard = 2
-ms_async_op_threads = 1
 mon_max_pg_per_osd = 1000
 client_mount_timeout = 5
 rados_mon_op_timeout = 5
@@ -147,7 +145,7 @@ rados_osd_op_timeout = 5
     def add_host(self, name: str) -> tuple[str, str]:
         """A network namespace for one kvfs "host", with a veth into the cluster's bridge.
         Returns (namespace name, its address)."""
-        ns = f"kvt{os.getpid() % 100000}{name}"
+        ns = f"kvt{os.getpid() % 100000}-{name}"
         ip = f"{self.subnet}.{self._next_host_ip}"
         self._next_host_ip += 1
         _run("ip", "netns", "add", ns)
@@ -164,6 +162,7 @@ rados_osd_op_timeout = 5
         return ns, ip
 
     def start(self):
+        reap_stale_clusters()
         t0 = time.monotonic()
         try:
             self._start()
@@ -177,6 +176,7 @@ rados_osd_op_timeout = 5
         d = self.dir
         (d / "run").mkdir()
         (d / "log").mkdir()
+        (d / "owner").write_text(f"{os.getpid()}\n{self.netns}\n")
         self.conf.write_text(self._conf_text())
         self._network()
         mon_keyring = d / "mon.a.keyring"
@@ -200,7 +200,7 @@ rados_osd_op_timeout = 5
         return subprocess.Popen(self._netns(*argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=open(self.dir / "log" / f"{argv[0]}.stderr", "ab"), start_new_session=True)
 
-    def admin(self, timeout: float = 10.0):
+    def admin(self, timeout: float = 20.0):
         rados = _rados()
         cluster = rados.Rados(conffile=str(self.conf), name="client.admin",
                               conf={"keyring": str(self.admin_keyring)})
@@ -247,9 +247,12 @@ rados_osd_op_timeout = 5
         for proc in self.osds.values():
             os.kill(proc.pid, signal.SIGSTOP)
 
-    def resume_osds(self):
+    def resume_osds(self, wait: bool = True):
+        """SIGCONT the OSDs; with ``wait``, until they are up and the pool takes writes again."""
         for proc in self.osds.values():
             os.kill(proc.pid, signal.SIGCONT)
+        if wait:
+            self.wait_active()
 
     def replace_osd(self, osd_id: int):
         """A new, empty OSD under a killed one's id (a replaced disk); it backfills from the other."""
@@ -273,7 +276,7 @@ rados_osd_op_timeout = 5
         ioctx = cluster.open_ioctx(POOL)
         try:
             ioctx.set_namespace("harness-probe")
-            for i in range(8):      # objects in several PGs
+            for i in range(64):     # objects in every PG (8), almost surely
                 while True:
                     try:
                         ioctx.write_full(f"probe-{i}", b"x")
@@ -317,10 +320,18 @@ rados_osd_op_timeout = 5
             _pids_in(ns, kill=True)
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
         self.hosts.clear()
+        for pid in _pids_of_conf(self.conf):           # daemons we started that slipped through
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         _pids_in(self.netns, kill=True)
         for link in self._links:
             subprocess.run(["ip", "link", "delete", link], capture_output=True)
         subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
+        keep = os.environ.get("KVFS_CEPH_LOGS")        # a folder to keep the daemons' logs in
+        if keep and (self.dir / "log").is_dir():
+            shutil.copytree(self.dir / "log", Path(keep) / self.dir.name, dirs_exist_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -350,6 +361,45 @@ def _kill(proc):
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _pids_of_conf(conf):
+    """Ceph daemons started with ``-c conf`` (ours: the conf is in our own temporary dir)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(conf).encode() in argv and argv[0].split(b"/")[-1] in (b"ceph-mon", b"ceph-osd"):
+                pids.append(int(proc.name))
+    return pids
+
+
+def reap_stale_clusters():
+    """Tear down clusters whose test process died without its teardown (a crash, SIGKILL):
+    their daemons, network namespaces and folders. Only ours: /tmp/kvc*/owner names them."""
+    for owner in Path("/tmp").glob("kvc*/owner"):
+        try:
+            pid_text, netns = owner.read_text().split()[:2]
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if Path(f"/proc/{pid}").exists():
+            continue
+        for stale in _pids_of_conf(owner.parent / "ceph.conf"):
+            try:
+                os.kill(stale, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        prefix = netns[:-1]                                 # kvt<pid>: the hosts' namespaces too
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        for ns in names:
+            if ns.startswith(prefix):
+                _pids_in(ns, kill=True)
+                subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        shutil.rmtree(owner.parent, ignore_errors=True)
 
 
 def _pids_in(ns, kill=False):
@@ -395,3 +445,43 @@ def ceph():
         if not _shared["users"]:
             cluster, _shared["cluster"] = _shared["cluster"], None
             cluster.stop()
+
+
+# -- kvfs "hosts": a daemon and a store each, in a network namespace of their own --------------
+def tenant_key(directory: Path, tenant: str, secret: bytes | None = None) -> Path:
+    """A root-only file with ``tenant``'s secret (random unless given)."""
+    path = Path(directory) / f"{tenant}.key"
+    path.write_bytes((secret or os.urandom(32)).hex().encode())
+    os.chmod(path, 0o600)
+    return path
+
+
+def tier_options(cluster: CephCluster, tenant: str, key: Path, **extra) -> list[str]:
+    """Mount options for a host of ``tenant`` (its cephx user is made on first use)."""
+    ceph_id, keyring = cluster.add_tenant(tenant)
+    conf = cluster.client_conf(ceph_id, keyring, mon_host=extra.pop("mon_host", None))
+    opts = {"tier": "rados", "ceph_conf": conf, "ceph_id": ceph_id, "ceph_pool": POOL, "tenant": tenant,
+            "tenant_key": key, **extra}
+    return [f"{k}={v}" for k, v in opts.items()]
+
+
+def make_host(root: Path, netns: str | None, options: list[str], size="1G"):
+    """A KvfsMount whose daemon runs in network namespace ``netns`` (None: this one)."""
+    from kvfsmount import TEST_MMP_INTERVAL, KvfsMount
+
+    class TierHost(KvfsMount):
+        def mount(self, *more):
+            opts = [*self.mount_options, *more, f"log={self.log}", f"mmp_interval={TEST_MMP_INTERVAL}"]
+            prefix = ["nsenter", f"--net=/run/netns/{netns}"] if netns else []
+            cmd = [*prefix, sys.executable, "-m", "kvfs.cli.mount", str(self.device), str(self.mnt),
+                   "-o", ",".join(opts)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode:
+                raise AssertionError(f"mount failed ({proc.returncode}): {proc.stderr.strip()}")
+            self.pid = self.stats()["pid"]
+            return self
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    host = TierHost(root, size=size, mount_options=options)
+    host.mkfs()
+    return host

@@ -21,6 +21,7 @@ from ..server.daemon import Daemon, Filesystem, MountOptions
 from ..server.stack import check_mountable
 from ..store import MmpSettings, mmp
 from ..store.mkfs import make_filesystem
+from ..tier.options import TIER_OPTIONS, parse_tier_options
 from . import Parser, describe, parse_size, root_cause, setup_logging, tool
 from .admin import wait_exited
 
@@ -122,9 +123,12 @@ def parse_options(text):
     """
     opts = MountOptions.defaults()
     log_path = None
-    given = set()
+    given, tier_items = set(), []
     for item in filter(None, (text or "").split(",")):
         name, has_value, value = item.partition("=")
+        if name in TIER_OPTIONS:        # the shared tier's own (kvfs/tier/options.py)
+            tier_items.append((name, value))
+            continue
         if name in IGNORED_OPTIONS or name.startswith("x-") or name == "comment":
             continue
         if name == "ro":
@@ -206,6 +210,7 @@ def parse_options(text):
                               f"'cache_size' ({opts.cache_size} bytes)")
     if "metrics_addr" in given and "metrics_port" not in given:
         raise InvalidArgument("mount option 'metrics_addr' needs 'metrics_port' too")
+    opts.tier = parse_tier_options(tier_items)
     if log_path is not None and not os.path.isdir(os.path.dirname(log_path)):
         raise NotFound(f"log file directory {os.path.dirname(log_path)} does not exist")
     return opts, log_path

@@ -129,6 +129,16 @@ def summary(stats, rates=None):
                      f"{g('leases_expired', 0):,} expired")
     if "evictions" in s:
         lines += ["eviction", f"  evicted   {s['evictions']:,} files, {human(s.get('evicted_bytes', 0))}"]
+    if "tier_lookups" in s:         # the shared tier (tier=rados, kvfs/tier/)
+        lines += ["tier        " + ("connected" if g("tier_connected") else "NOT connected (local only)"),
+                  f"  published {g('tier_published_files', 0):,} files, {g('tier_published_blocks', 0):,} blocks "
+                  f"({human(g('tier_published_bytes'))}), {g('tier_publish_dedup_blocks', 0):,} already there; "
+                  f"queue {g('tier_queue_len', 0)}, {g('tier_queue_drops', 0):,} dropped",
+                  f"  lookups   {g('tier_lookups', 0):,}: {g('tier_hits', 0):,} hits, {g('tier_misses', 0):,} misses; "
+                  f"fetched {g('tier_fetched_files', 0):,} files ({human(g('tier_fetched_bytes'))})",
+                  f"  problems  {g('tier_verify_failures', 0):,} verify failures, {g('tier_timeouts', 0):,} timeouts, "
+                  f"{g('tier_errors', 0):,} errors; latency {g('tier_latency_ms_mean', 0.0):.1f} ms mean, "
+                  f"{g('tier_latency_ms_max', 0.0):.1f} ms max"]
     errors = _error_lines(s)
     lines.append("errors      " + (", ".join(f"{text}: {n}" for text, n in errors) if errors else "none"))
     lines += _device_error_line(s)

@@ -6,7 +6,7 @@ It talks to the block cache below it, and journals through its journal port (kvf
 ``tree``        the durable tree: records applied (live and at replay), load (``treeload``), snapshot
 ``view``        the read-only ``/.kvfs/by-hash`` view
 ``durability``  sealing files, commits and checkpoints, background upkeep
-``truncation``  an O_TRUNC open under readers
+``truncation``  an O_TRUNC open under readers; ``remote`` the shared tier (publish, fill misses)
 ``idle``        idle files keep no live content object; ``leases`` bypass readers' block maps
 this module     the operations the FUSE layer calls
 """
@@ -36,12 +36,12 @@ from .inodes import (BY_HASH_INO, CHECKPOINT_MARGIN, DIR_ENTRY_COST, FILE_KEY_CO
                      INDEX_BLOCK_COST, INODE_ROW_COST, KEY_XATTR, META_DIR_INO, META_NAME, NAME_MAX,
                      ROOT_INO, SUPPORTED_TYPES, TYPICAL_NAME, VIEW_BIT, DirEntries, Handle, Inode)
 from .pagecache import KernelPages
+from .remote import TierLink
 from .port import SpaceFigures
 from .shape import check_shape
 from .tree import Tree
 from .truncation import TruncationWindow
 from .view import ByHashView
-
 __all__ = ["BY_HASH_INO", "FIRST_INO", "KEY_XATTR", "META_DIR_INO", "META_NAME", "NAME_MAX", "ROOT_INO",
            "VIEW_BIT", "DirEntries", "Inode", "Namespace", "NamespaceStatistics", "SpaceFigures", "Tree"]
 
@@ -65,7 +65,7 @@ class NamespaceStatistics:
     checkpoint_rows_saved_on_loop: int   # inode rows saved on the loop because a change came first
 
 
-class Namespace(Durability, KernelPages, BypassLeases):
+class Namespace(TierLink, Durability, KernelPages, BypassLeases):
     def __init__(self, cache: CachePort, journal: JournalPort, *, now: Callable[[], int] = time.time_ns,
                  eviction_policy: str = "s3fifo", high_watermark: float = 0.9, low_watermark: float = 0.8) -> None:
         self.cache, self.journal, self.now = cache, journal, now

@@ -52,11 +52,21 @@ class LeaseGrant:
     blocks: list
 
 
+class TierPort(Protocol):
+    """What the namespace may use of the shared tier (kvfs/tier/shared.py implements it;
+    kvfs/server/stack.py wires it in as ``Namespace.tier``)."""
+    def offer(self, read: Any) -> bool: ...        # never awaits; False: dropped (queue full)
+    def fetch(self, path: bytes) -> Awaitable[Optional[tuple]]: ...   # (content, mode) verified, or None
+    miss_ttl: float                                 # seconds a miss may be cached (kernel too)
+
+
 class NamespacePort(Protocol):
     block_size: int                  # fixed by mkfs
 
     # Names and inodes.
     def lookup(self, parent: int, name: bytes) -> int: ...          # counts one kernel lookup
+    def lookup_remote(self, parent: int, name: bytes) -> Awaitable[int]: ...   # after NotFound: the shared tier
+    tier: Optional[TierPort]
     def count_lookup(self, ino: int) -> None: ...
     def forget(self, ino: int, count: int) -> None: ...
     def inode(self, ino: int) -> Any: ...

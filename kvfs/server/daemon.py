@@ -26,6 +26,7 @@ from ..fuse.loop import RequestWait
 from ..fuse.ops import KvfsOperations
 from ..fuse.pagedrops import KernelPageDropper
 from ..fuse.pagefill import PageFiller
+from ..fuse.tierlookup import TierOperations
 from .metrics import MetricsServer
 from .opsstats import OpsStats
 from .sdnotify import Notifier
@@ -65,6 +66,7 @@ class MountOptions:
     native_reads: bool = False
     native_threads: int = 4           # its threads, each on its own /dev/fuse descriptor
     native_direct_io: bool = False    # its read-only opens bypass the kernel's page cache
+    tier: object = None               # kvfs.tier.options.TierOptions with tier=rados, else None
     lease_seconds: float = 5.0        # a bypass reader's block-map lease ends by then (kvfs/namespace/leases.py)
     bypass_group: int = None          # gid whose members get block maps besides root (kvfs/fuse/blockmaps.py)
 
@@ -206,7 +208,8 @@ class Daemon:
         fuse_options |= {"fsname=kvfs:" + self.fs.device.path, "subtype=kvfs"}
         if self.options.allow_other:
             fuse_options.add("allow_other")
-        ops = self._ops = KvfsOperations(self.fs.ns, self, by_hash=self.options.by_hash)
+        tier = self._attach_tier()
+        ops = self._ops = (TierOperations if tier else KvfsOperations)(self.fs.ns, self, by_hash=self.options.by_hash)
         self.fs.ns.leases.seconds = self.options.lease_seconds
         ops.block_maps = BlockMaps(self.fs.ns, BypassDevice(self.fs.device.path, self.fs.store.hash_seed,
                                                             self.fs.store.key_secret), self.options.bypass_group)
@@ -232,6 +235,9 @@ class Daemon:
                 await nursery.start(self.fs.cache.run)
                 await nursery.start(self.fs.ns.run, self.options.commit_interval)
                 nursery.start_soon(self.fs.store.keep_heartbeat)
+                if tier is not None:            # an unreachable cluster: a warning, the mount goes on
+                    await tier.connect_at_mount()
+                    await nursery.start(tier.run)
                 nursery.start_soon(self._watch_signals)
                 if native is not None:
                     nursery.start_soon(self._watch_connection_end, native)
@@ -263,6 +269,14 @@ class Daemon:
                 self._unmount()
             self._end_ops()
             self._gc.uninstall()
+
+    def _attach_tier(self):
+        """The shared tier of ``tier=`` (kvfs/tier/), wired into the namespace; None without."""
+        if self.options.tier is None:
+            return None
+        from ..tier import make_tier
+        tier = self.fs.tier = self.fs.ns.tier = make_tier(self.options.tier)
+        return tier
 
     def _mount_native(self, ops, fuse_options):
         """Mount with the native read plane in front of pyfuse3 (None: pyfuse3 mounts alone)."""

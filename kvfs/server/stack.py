@@ -7,6 +7,7 @@ references and space, which do not pass through the block cache. fsck loads
 the durable namespace without a block cache (:func:`load_tree`): its tree has
 the same journal port, and no cache to pin live contents in.
 """
+import dataclasses
 import logging
 import os
 import stat
@@ -117,6 +118,7 @@ class Filesystem:
         self.replayed = replayed          # what the journal replay did (frames, records, where it stopped)
         self.mounted_at = time.time()
         self.mountpoint = None
+        self.tier = None                  # the shared tier (kvfs/tier/), with tier= only
 
     @classmethod
     def open(cls, path, options, *, readonly=False, now=time.time_ns, mmp=None):
@@ -274,4 +276,5 @@ class Filesystem:
             "uptime_s": round(elapsed, 3),
             **self.store.mmp_statistics(),
             **injected,                 # only under a test fault plan: faults injected, by effect
+            **(dataclasses.asdict(self.tier.statistics()) if self.tier is not None else {}),
         }

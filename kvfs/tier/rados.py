@@ -19,6 +19,7 @@ import glob
 import importlib.util
 import logging
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -87,10 +88,12 @@ class RadosBackend:
         self._connecting = False
         self._last_try = -1e9
         self.last_error: str | None = None
+        self._running = 0               # librados calls in worker threads, abandoned ones too
+        self._running_lock = threading.Lock()
 
     # -- connection -----------------------------------------------------------------------
     def _op_timeout(self) -> str:
-        return str(max(1, int(self.deadline * 2 + 0.999)))
+        return str(max(10, int(self.deadline * 2 + 0.999)))
 
     def _connect_sync(self):
         rados = self._rados
@@ -149,7 +152,15 @@ class RadosBackend:
         return self._ioctx is not None
 
     def close(self) -> None:
+        """Close the connection once no call runs on it (an abandoned call ends by librados's op
+        timeout): closing under a running call would crash librados. Left open after that."""
         ioctx, cluster, self._ioctx, self._cluster = self._ioctx, self._cluster, None, None
+        deadline = time.monotonic() + float(self._op_timeout()) + 2
+        while self._running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._running:
+            log.warning("shared tier: %d librados calls still running; the connection is left open", self._running)
+            return
         if ioctx is not None:
             try:
                 ioctx.close()
@@ -162,17 +173,27 @@ class RadosBackend:
                 pass
 
     # -- the four calls ---------------------------------------------------------------------
-    async def _call(self, what: str, fn: Callable[..., Any], *args):
+    async def _call(self, what: str, fn: Callable[..., Any], *args, timeout: float | None = None):
         ioctx = self._ioctx
         if ioctx is None:
             raise TierUnavailable(self.last_error or "not connected to the Ceph cluster")
-        with trio.move_on_after(self.deadline) as scope:
+        timeout = timeout or self.deadline
+        with trio.move_on_after(timeout) as scope:
             try:
-                return await trio.to_thread.run_sync(fn, ioctx, *args, limiter=self.limiter,
+                return await trio.to_thread.run_sync(self._counted, fn, ioctx, *args, limiter=self.limiter,
                                                      abandon_on_cancel=True)
             except Exception as exc:
                 raise _map_error(self._rados, exc, what) from None
-        raise TierTimeout(f"{what}: no answer from the cluster within {self.deadline}s")
+        raise TierTimeout(f"{what}: no answer from the cluster within {timeout}s")
+
+    def _counted(self, fn, *args):
+        with self._running_lock:
+            self._running += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._running_lock:
+                self._running -= 1
 
     def _get_sync(self, ioctx, name, max_size):
         try:
@@ -223,9 +244,10 @@ class RadosBackend:
         """The object's bytes (up to ``max_size`` + 1: a longer object shows as too long), or None."""
         return await self._call(f"get {name}", self._get_sync, name, max_size)
 
-    async def put_if_absent(self, name: str, data: bytes) -> bool:
-        """Create the object with ``data`` unless it exists (one exclusive-create op); False: it did."""
-        return await self._call(f"put {name}", self._put_sync, name, data)
+    async def put_if_absent(self, name: str, data: bytes, *, timeout: float | None = None) -> bool:
+        """Create the object with ``data`` unless it exists (one exclusive-create op); False: it did.
+        ``timeout``: a longer bound than the deadline, for publishing in the background."""
+        return await self._call(f"put {name}", self._put_sync, name, data, timeout=timeout)
 
     async def exists(self, name: str) -> bool:
         return await self._call(f"stat {name}", self._exists_sync, name)
@@ -239,6 +261,6 @@ class RadosBackend:
             ioctx = self._ioctx
             if ioctx is None:
                 raise TierUnavailable(self.last_error or "not connected")
-            return await trio.to_thread.run_sync(self._list_sync, ioctx, limit, limiter=self.limiter,
+            return await trio.to_thread.run_sync(self._counted, self._list_sync, ioctx, limit, limiter=self.limiter,
                                                  abandon_on_cancel=True)
         raise TierTimeout("listing the tier timed out")

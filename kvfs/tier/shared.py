@@ -31,10 +31,12 @@ from .names import BadManifest, Manifest, TenantNames
 
 log = logging.getLogger(__name__)
 
-TIER_BLOCK = 4 << 20              # bytes per block object (rados bench's default object size)
+TIER_BLOCK = 1 << 20              # bytes per block object: the store's block size (4 MiB writes stalled on memstore)
 MAX_MANIFEST = 1 << 20
 MAX_PUBLISH_BYTES = 1 << 30       # files larger than this are not published (counted)
 MISS_CACHE = 65536                # names remembered as missing, at most
+PUBLISH_TIMEOUT = 10.0            # seconds one publishing call may take (not on anyone's path)
+PUBLISH_TRIES = 3                 # a file whose publishing failed is queued again, this often in all
 
 
 @dataclasses.dataclass
@@ -150,10 +152,10 @@ class SharedTier:
         while len(self._misses) > MISS_CACHE:
             self._misses.popitem(last=False)
 
-    async def _timed(self, call, *args):
+    async def _timed(self, call, *args, **kwargs):
         t0 = time.monotonic()
         try:
-            return await call(*args)
+            return await call(*args, **kwargs)
         finally:
             ms = (time.monotonic() - t0) * 1000
             st = self._stats
@@ -274,14 +276,17 @@ class SharedTier:
             while not self._queue:
                 self._queued = trio.Event()
                 await self._queued.wait()
-            offer = self._queue.popleft()
+            offer, tries = self._queue.popleft(), 1
+            if isinstance(offer, tuple):
+                offer, tries = offer
             try:
                 await self._publish(offer)
             except TierError as exc:
                 self._stats.tier_publish_errors += 1
-                log.info("shared tier: publishing failed: %s", exc)
-                if not self.backend.connected:
-                    await trio.sleep(1.0)
+                log.info("shared tier: publishing failed (try %d of %d): %s", tries, PUBLISH_TRIES, exc)
+                await trio.sleep(1.0)
+                if tries < PUBLISH_TRIES and len(self._queue) < self.queue_limit:
+                    self._queue.append((offer, tries + 1))
 
     async def _publish(self, read: Reader):
         st = self._stats
@@ -300,7 +305,8 @@ class SharedTier:
 
         async def put(i, name):
             try:
-                created = await self._timed(self.backend.put_if_absent, name, bytes(view[i * bs:(i + 1) * bs]))
+                created = await self._timed(self.backend.put_if_absent, name, bytes(view[i * bs:(i + 1) * bs]),
+                                            timeout=PUBLISH_TIMEOUT)
             except TierError as exc:
                 failures.append(exc)
                 return
@@ -320,5 +326,5 @@ class SharedTier:
             raise failures[0]
         manifest = Manifest(path, len(data), bs, tuple(names), mode)
         await self._timed(self.backend.put_if_absent, self.names.manifest_name(path),
-                          self.names.encode_manifest(manifest))
+                          self.names.encode_manifest(manifest), timeout=PUBLISH_TIMEOUT)
         st.tier_published_files += 1

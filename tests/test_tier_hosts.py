@@ -1,0 +1,122 @@
+"""Several kvfs hosts sharing one Ceph cluster (tests/ceph_cluster.py): each host is a
+daemon and a store of its own, running in a network namespace of its own, reaching
+the cluster over a veth into the cluster's bridge. The test process reads and writes
+through their mountpoints like an engine."""
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ceph_cluster import ceph, make_host, tenant_key, tier_options  # noqa: F401
+
+
+@pytest.fixture
+def hosts(ceph, tmp_path):
+    """make(name, tenant, key, **options) -> a mounted host; all unmounted (and fsck'ed) at the end."""
+    made = []
+
+    def make(name, tenant, key, *, netns=True, **extra):
+        ns = ceph.add_host(name)[0] if netns else None
+        host = make_host(tmp_path / name, ns, tier_options(ceph, tenant, key, **extra))
+        host.mount()
+        made.append(host)
+        return host
+
+    yield make
+    for host in made:
+        host.teardown()
+
+
+def write_chunk(path: Path, data: bytes):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def read_when_there(path: Path, timeout: float):
+    """(bytes, seconds) of the first open that succeeds, retrying ENOENT for ``timeout``."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            with open(path, "rb") as f:
+                return f.read(), time.monotonic() - t0
+        except FileNotFoundError:
+            if time.monotonic() - t0 > timeout:
+                raise
+            time.sleep(0.02)
+
+
+def test_a_chunk_closed_on_one_host_is_read_on_another(ceph, hosts, tmp_path):
+    key = tenant_key(tmp_path, "t1")
+    a = hosts("ha", "t1", key)
+    b = hosts("hb", "t1", key)
+    c = hosts("hc", "t2", tenant_key(tmp_path, "t2"))      # another tenant
+    for h in (a, b, c):
+        (h.mnt / "model").mkdir()
+    data = os.urandom(32 << 20)
+    t0 = time.monotonic()
+    write_chunk(a.mnt / "model" / "chunk-0001.bin", data)
+    closed = time.monotonic()
+    got, waited = read_when_there(b.mnt / "model" / "chunk-0001.bin", timeout=60)
+    found_after = time.monotonic() - closed
+    print(f"32 MiB chunk: written+closed on A in {closed - t0:.2f} s; read bit-exact on B "
+          f"{found_after:.2f} s after A's close")
+    assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    sb = b.stats()
+    assert sb["tier_hits"] == 1 and sb["tier_fetched_bytes"] == len(data)
+    assert found_after < 60       # the issue's goal is 1 s: printed above; this bound only catches "never"
+    # The second read on B is local: not a byte more from the tier.
+    with open(b.mnt / "model" / "chunk-0001.bin", "rb") as f:
+        assert f.read() == data
+    assert b.stats()["tier_fetched_bytes"] == len(data)
+    # Another tenant's host: no name, no bytes.
+    assert not (c.mnt / "model" / "chunk-0001.bin").exists()
+    sc = c.stats()
+    assert sc["tier_hits"] == 0 and sc["tier_fetched_bytes"] == 0 and sc["tier_verify_failures"] == 0
+    sa = a.stats()
+    assert sa["tier_published_files"] == 1 and sa["tier_published_bytes"] == len(data)
+    assert os.listdir(b.mnt / "model") == ["chunk-0001.bin"]     # no temporary name left behind
+
+
+def test_views_and_metrics_show_the_tier(ceph, hosts, tmp_path):
+    a = hosts("hv", "t1", tenant_key(tmp_path, "t1"), netns=False)
+    write_chunk(a.mnt / "x.bin", b"y" * 5000)
+    with open(a.mnt / "x.bin", "rb"):
+        pass
+    assert not (a.mnt / "absent.bin").exists()
+    summary = a.admin("stats", a.mnt).stdout
+    misses = a.stats()["tier_misses"]
+    assert misses >= 1        # the kernel may look a name up twice; the second is the miss cache's
+    assert "tier        connected" in summary and f"0 hits, {misses} misses" in summary, summary
+    metrics = a.admin("metrics", a.mnt).stdout
+    assert f"kvfs_tier_misses_total {misses}" in metrics and "kvfs_tier_connected 1" in metrics
+
+
+def test_unreachable_mon_at_mount_serves_locally_with_a_warning(ceph, hosts, tmp_path):
+    a = hosts("hm", "t1", tenant_key(tmp_path, "t1"), mon_host=f"{ceph.subnet}.253:6789", tier_deadline="1")
+    log = a.log.read_text()
+    assert "shared tier unavailable, serving the local store only for now" in log, log
+    data = os.urandom(3 << 20)
+    write_chunk(a.mnt / "local.bin", data)
+    with open(a.mnt / "local.bin", "rb") as f:
+        assert f.read() == data
+    t0 = time.monotonic()
+    assert not (a.mnt / "nowhere.bin").exists()
+    assert time.monotonic() - t0 < 1.0 + 1.0
+    s = a.stats()
+    assert s["tier_connected"] == 0 and s["tier_misses"] >= 1 and s["tier_hits"] == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda key: os.chmod(key, 0o644), "readable or writable by group or others"),
+    (lambda key: key.write_bytes(b"short"), "shorter than 16 bytes"),
+])
+def test_bad_tier_options_fail_the_mount_clearly(ceph, tmp_path, change, message):
+    key = tenant_key(tmp_path, "t1")
+    change(key)
+    host = make_host(tmp_path / "bad", None, tier_options(ceph, "t1", key))
+    with pytest.raises(AssertionError, match=message):
+        host.mount()
+    assert not host.mounted
