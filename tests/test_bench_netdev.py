@@ -86,7 +86,7 @@ def test_netdev_reports_every_figure_and_tears_down(tmp_path):
     chunks, mib = 2, 4
     proc = subprocess.run([sys.executable, str(BENCH), "netdev", "--latency-us", "100", "--chunks", str(chunks),
                            "--chunk-mib", str(mib), "--repeat", "1", "--dev-size", "512M", "--no-lmcache",
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                           "--no-sglang", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     expected = chunks * mib * MiB
@@ -95,6 +95,7 @@ def test_netdev_reports_every_figure_and_tears_down(tmp_path):
     assert config["bytes"] == expected and config["latencies_us"] == [100]
     assert config["device_size"] == 512 * MiB
     assert config["lmcache"] is False and config["lmcache_skipped"]
+    assert config["sglang"] is False and config["sglang_skipped"] == "--no-sglang"
     # Both loop devices ran in direct-I/O mode, on the daemons the issue describes.
     assert config["loop_dio"] == {"100": {"ext4": 1, "kvfs": 1}}
     namespaces = config["namespaces"]["100"]
@@ -125,10 +126,15 @@ def test_netdev_reports_every_figure_and_tears_down(tmp_path):
             if name.startswith("cold"):
                 assert fig["device_bytes_read"] >= expected, (side, name)   # cold: from the device
             assert result["medians"][side][name]["gbps"] == fig["gbps"]
-        assert "lmcache" not in run[side]
+        assert "lmcache" not in run[side] and "sglang" not in run[side]
+        # kvfs.client.read_many, cold, one calling thread: every byte checked, from the device.
+        client = run[side]["cold_read_many_1t"]
+        assert client["bytes"] == client["expected_bytes"] == expected and client["threads"] == 1
+        assert client["files_verified"] == chunks and client["device_bytes_read"] >= expected
+        assert client["cpu_s_per_gb"] == pytest.approx(client["cpu_seconds"] / (expected / 1e9))
 
     table = result["table"]
-    assert sorted(table) == sorted(softpath.FIGURES)
+    assert sorted(table) == sorted([*softpath.FIGURES, "cold_read_many_1t"])
     qd1, qd16 = device["read_qd1"]["gbps"], device["read_qd16"]["gbps"]
     for name, row in table.items():
         assert row["speed_ratio"] == pytest.approx(row["kvfs_gbps"] / row["ext4_gbps"])
@@ -149,7 +155,8 @@ def test_netdev_interrupted_still_tears_down(tmp_path):
     """Ctrl-C while the filesystems are in use leaves no mount, loop device or daemon behind."""
     pytest.importorskip("torch")
     interrupt_once_running([BENCH, "netdev", "--latency-us", "100", "--chunks", "4", "--chunk-mib", "4",
-                            "--repeat", "3", "--dev-size", "512M", "--no-lmcache", "--workdir", tmp_path],
+                            "--repeat", "3", "--dev-size", "512M", "--no-lmcache", "--no-sglang",
+                            "--workdir", tmp_path],
                            ["repeat 1: "], lambda: leftovers(tmp_path))
     assert leftovers(tmp_path) == []
     assert list(tmp_path.iterdir()) == []
@@ -246,24 +253,52 @@ def test_namespace_daemon_exits_on_sigterm(tmp_path):
 
 
 @pytest.mark.lmcache
-def test_netdev_lmcache_rows(tmp_path):
-    """With LMCache installed, the real engine's cold retrieve is measured on both sides."""
+@pytest.mark.sglang
+def test_netdev_engine_rows(tmp_path):
+    """With LMCache and SGLang installed (tools/setup --test installs both), the engines'
+    cold reads are measured: LMCache's local disk on both sides and the kvfs plugin on
+    kvfs; HiCacheFile on both sides and the kvfs backend's batch_get_v1 on kvfs."""
     pytest.importorskip("lmcache")
+    pytest.importorskip("sglang")
     proc = subprocess.run([sys.executable, str(BENCH), "netdev", "--latency-us", "100", "--chunks", "1",
                            "--chunk-mib", "4", "--repeat", "1", "--dev-size", "512M",
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["config"]["lmcache"] is True
+    assert out["config"]["lmcache"] is True and out["config"]["sglang"] is True
     assert speeds_without_cpu(out) == []
     result = out["latencies"]["100"]
+    run = result["runs"][0]
     for side in ("kvfs", "ext4"):
-        for mode in ("buffered", "odirect"):
-            row = result["runs"][0][side]["lmcache"][mode]
-            assert row["use_odirect"] == (mode == "odirect")
+        modes = ("buffered", "odirect", "plugin") if side == "kvfs" else ("buffered", "odirect")
+        assert sorted(run[side]["lmcache"]) == sorted(modes)
+        for mode in modes:
+            row = run[side]["lmcache"][mode]
+            assert "error" not in row, (side, mode, row)
+            assert row["use_odirect"] == (mode == "odirect") and row["plugin"] == (mode == "plugin")
             assert row["retrieve_bytes"] == 4 * MiB and row["retrieve_gbps"] > 0
+        backends = ("file", "kvfs") if side == "kvfs" else ("file",)
+        assert sorted(run[side]["sglang"]) == sorted(backends)
+        for backend in backends:
+            row = run[side]["sglang"][backend]
+            assert "error" not in row, (side, backend, row)
+            assert row["backend"] == backend and row["get_bytes"] == 4 * MiB and row["get_gbps"] > 0
+    table = result["table"]
     for mode in ("buffered", "odirect"):
-        row = result["table"][f"lmcache_retrieve_{mode}"]
+        row = table[f"lmcache_retrieve_{mode}"]
         assert row["speed_ratio"] == pytest.approx(row["kvfs_gbps"] / row["ext4_gbps"])
+    # The engine rows: kvfs's client against the stock backend on ext4 (LMCache: its faster mode).
+    ext4 = result["medians"]["ext4"]
+    plugin = table["lmcache_retrieve_plugin"]
+    best = max(("lmcache_retrieve_buffered", "lmcache_retrieve_odirect"), key=lambda n: ext4[n]["gbps"])
+    assert plugin["ext4_figure"] == best and plugin["ext4_gbps"] == ext4[best]["gbps"]
+    assert plugin["kvfs_gbps"] == run["kvfs"]["lmcache"]["plugin"]["retrieve_gbps"]
+    assert plugin["speed_ratio"] == pytest.approx(plugin["kvfs_gbps"] / plugin["ext4_gbps"])
+    sglang = table["sglang_get_v1_kvfs"]
+    assert sglang["ext4_figure"] == "sglang_get_file"
+    assert sglang["kvfs_gbps"] == run["kvfs"]["sglang"]["kvfs"]["get_gbps"]
+    assert sglang["ext4_gbps"] == run["ext4"]["sglang"]["file"]["get_gbps"]
+    assert sglang["kvfs_over_device_qd16"] == pytest.approx(
+        sglang["kvfs_gbps"] / run["device"]["read_qd16"]["gbps"])
     assert leftovers(tmp_path) == []
     assert list(tmp_path.iterdir()) == []

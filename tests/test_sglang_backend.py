@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.lmcache       # the engine tests: slow imports, CI runs them
+pytestmark = pytest.mark.sglang
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 try:
@@ -23,8 +23,6 @@ except ImportError as e:  # only a missing sglang (or torch) may skip this test
         raise
     pytest.skip(f"sglang is not importable ({e}); install it with tools/install-sglang VENV",
                 allow_module_level=True)
-
-from kvfsmount import drop_kernel_cache  # noqa: E402
 
 PAGES = 24
 
@@ -56,7 +54,6 @@ def test_mha_pages_zero_copy_bit_exact(kvfs, layout):
         assert backend.exists(keys[-1]) and not backend.exists(sw.keys_for(1, seed=99)[0])
 
         kvfs.flush()
-        drop_kernel_cache()
         assert backend.batch_get_v1(keys, dst) == [True] * PAGES
         assert sw.page_bytes(pool, dst) == sw.page_bytes(pool, src)
 
@@ -121,7 +118,6 @@ def test_mla_tp8_pages_stored_once(kvfs):
     assert written <= one_copy, f"{written} bytes written for {one_copy} bytes of pages"
     assert after["unique_blocks"] - before["unique_blocks"] == PAGES   # a page is one block here
 
-    drop_kernel_cache()
     for pool, src, backend in ranks:
         dst = pool.alloc(PAGES * shape.page_size)
         assert backend.batch_get_v1(keys, dst) == [True] * PAGES
@@ -145,7 +141,6 @@ def test_exists_is_one_lookup_per_file_in_a_large_directory(kvfs):
             os.close(os.open(directory / f"{i:064x}{backend.suffix}.bin",
                              os.O_CREAT | os.O_WRONLY, 0o644))
         kvfs.flush()
-        drop_kernel_cache()
         probe = keys[:40] + sw.keys_for(24, seed=5)            # 40 hits, then misses
         before = kvfs.stats()["kernel_lookup_requests"]
         assert backend.batch_exists(probe) == 40

@@ -22,9 +22,21 @@ loop devices are started; then, ``--repeat`` times:
   each), made durable, then cold buffered 1 and 4 readers, cold O_DIRECT 1 and
   4 readers, hot buffered 1 and 4 readers, every file hashed against what was
   written, and each cold pass checked to have come from the device;
+- on each side: ``kvfs.client.read_many`` of the same files, cold, from one calling
+  thread, into the same buffers (on ext4 it reads them plainly: the same call);
 - when ``lmcache`` imports: the real LMCache engine (tools/lmcache_workload.py)
-  stores the same amount of KV and retrieves it cold, buffered and use_odirect;
+  stores the same amount of KV and retrieves it cold, buffered and use_odirect
+  with its local disk backend on both sides, and on kvfs also through the kvfs
+  storage plugin (kvfs/client/lmcache.py);
+- when ``sglang`` imports: SGLang's real HiCache host pool and storage backends
+  (tools/sglang_workload.py) store the same amount of KV in pages and read them
+  back cold: HiCacheFile on both sides, and on kvfs also the kvfs backend with
+  ``batch_get_v1`` (kvfs/client/sglang.py);
 - both filesystems unmounted.
+
+The engine rows of the table compare the kvfs client against the stock backend on
+ext4: the LMCache plugin against the faster of LMCache's two local disk modes on
+ext4, the SGLang backend against HiCacheFile on ext4.
 
 Cold: sync + drop_caches=3, and for kvfs ``kvfs-admin drop-caches`` until its
 cache is empty (bench_softpath.Side.drop_caches).  CPU: the whole machine's busy
@@ -58,6 +70,14 @@ DAEMON_FILE = "namespace"          # the one file a latencydev mount holds
 DAEMON_THREADS = 256
 FIO_MIN_BYTES = 256 * MiB          # fio reads at least this much, so a run lasts long enough
 LMCACHE_MODES = ("buffered", "odirect")
+LMCACHE_PLUGIN = "plugin"          # the kvfs storage plugin: kvfs side only
+CLIENT_FIGURE = "cold_read_many_1t"
+SGLANG_BACKENDS = {"kvfs": ("file", "kvfs"), "ext4": ("file",)}
+# Engine rows: kvfs's figure, and the ext4 figures it is compared with (the best of them).
+ENGINE_ROWS = {
+    "lmcache_retrieve_plugin": ("lmcache_retrieve_buffered", "lmcache_retrieve_odirect"),
+    "sglang_get_v1_kvfs": ("sglang_get_file",),
+}
 LMCACHE_LAYER_BYTES = 2 * 256 * 8 * 128 * 2   # one layer of a 256-token Llama-3-8B chunk: 1 MiB
 
 
@@ -299,8 +319,105 @@ def run_lmcache(side, chunks, chunk_bytes):
     return results
 
 
+def run_lmcache_plugin(side, chunks, chunk_bytes):
+    """LMCache with the kvfs storage plugin on the kvfs side: store, make cold, retrieve."""
+    import lmcache_workload as lw
+    directory = os.path.join(os.path.dirname(side.directory), "lmcache-plugin")
+
+    def cold():
+        side.make_durable()
+        side.drop_caches()
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = lw.run(directory, chunks=chunks, use_odirect=False, cold_hook=cold,
+                            shape=lmcache_shape(chunk_bytes), plugin=True)
+        bl.log(f"{side.name} lmcache retrieve plugin: {result['retrieve_gbps']:.3f} GB/s, "
+               f"{result['retrieve_cpu_s_per_gb']:.2f} CPU-s/GB")
+    except Exception as exc:  # record it, keep measuring
+        bl.log(f"{side.name} lmcache plugin failed: {exc!r}")
+        result = {"error": repr(exc)}
+    finally:
+        bl.remove_tree(directory)
+        side.make_durable()
+    return result
+
+
+def run_read_many(side, contents, expected, buffers, file_bytes):
+    """kvfs.client.read_many of every file, cold, from one calling thread."""
+    from kvfs.client import read_many
+    count = len(contents)
+    paths = [os.path.join(os.path.dirname(side.directory), "client", os.path.basename(p))
+             for p in side.paths(count)]
+    os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
+    try:
+        sp.write_pass(paths, contents)
+        side.make_durable()
+        side.drop_caches()
+        for buf in buffers:
+            bl.zero_buffer(buf)
+        device_before = side.device_bytes_read()
+        items = [(path, memoryview(buf)[:file_bytes]) for path, buf in zip(paths, buffers)]
+        sizes, timing = bl.timed(read_many, items)
+        device_bytes = side.device_bytes_read() - device_before
+        nbytes = sum(sizes)
+        checked = sp.verify(paths, buffers, file_bytes, expected)
+        result = sp.figure((timing.seconds, timing.cpu_seconds), nbytes, count * file_bytes,
+                           files_verified=checked, device_bytes_read=device_bytes, threads=1)
+        if device_bytes < nbytes:
+            raise sp.ColdCheckFailed(f"{side.name} {CLIENT_FIGURE}: the device delivered "
+                                     f"{device_bytes} bytes for {nbytes} bytes read")
+        bl.log(f"{side.name} {CLIENT_FIGURE}: {result['gbps']:.3f} GB/s, "
+               f"{result['cpu_s_per_gb']:.2f} CPU-s/GB")
+    finally:
+        for path in paths:
+            sp.with_missing_ok(os.unlink, path)
+        side.make_durable()
+    return result
+
+
+def sglang_shape(chunk_bytes):
+    """An MHA page_first geometry whose pages are a quarter of a chunk (8 MiB for 32 MiB):
+    chunk_bytes / 1 MiB layers of 8 heads x 128 dims in bf16, 64-token pages."""
+    import sglang_workload as sw
+    layers = chunk_bytes // LMCACHE_LAYER_BYTES
+    if chunk_bytes % LMCACHE_LAYER_BYTES or layers < 1:
+        raise bl.BenchError(f"SGLang pages here are whole layers of {LMCACHE_LAYER_BYTES} bytes "
+                            f"per chunk; {chunk_bytes} is not")
+    return sw.PoolShape(mla=False, layers=layers, heads=8, head_dim=128, page_size=64)
+
+
+def run_sglang(side, chunks, chunk_bytes):
+    """SGLang's HiCache backends on one side: store pages, make cold, read them back."""
+    import sglang_workload as sw
+    shape = sglang_shape(chunk_bytes)
+    pages = chunks * chunk_bytes // shape.page_bytes
+    results = {}
+    for backend in SGLANG_BACKENDS[side.name]:
+        directory = os.path.join(os.path.dirname(side.directory), f"sglang-{backend}")
+
+        def cold():
+            side.make_durable()
+            side.drop_caches()
+
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                result = sw.run(directory, backend=backend, pages=pages, shape=shape,
+                                cold_hook=cold)
+            bl.log(f"{side.name} sglang get {backend}: {result['get_gbps']:.3f} GB/s, "
+                   f"{result['get_cpu_s_per_gb']:.2f} CPU-s/GB")
+        except Exception as exc:  # record it, keep measuring
+            bl.log(f"{side.name} sglang {backend} failed: {exc!r}")
+            result = {"error": repr(exc)}
+        finally:
+            bl.remove_tree(directory)
+            side.make_durable()
+        results[backend] = result
+    return results
+
+
 def run_repeat(rep, root, namespaces, contents, views, expected, buffers, file_bytes, seed,
-               kvfs_options, lmcache):
+               kvfs_options, lmcache, sglang=False):
     run = {}
     # The device limit first, on the raw device (mkfs comes after it).
     fio_ns = namespaces[SIDES[rep % 2]]
@@ -318,8 +435,15 @@ def run_repeat(rep, root, namespaces, contents, views, expected, buffers, file_b
         for name in order:
             bl.log(f"repeat {rep + 1}: {name}")
             run[name] = sp.run_side(sides[name], views, expected, buffers, file_bytes)
+            run[name][CLIENT_FIGURE] = run_read_many(sides[name], views, expected, buffers,
+                                                     file_bytes)
             if lmcache:
                 run[name]["lmcache"] = run_lmcache(sides[name], len(views), file_bytes)
+                if name == "kvfs":
+                    run[name]["lmcache"][LMCACHE_PLUGIN] = run_lmcache_plugin(
+                        sides[name], len(views), file_bytes)
+            if sglang:
+                run[name]["sglang"] = run_sglang(sides[name], len(views), file_bytes)
     return run
 
 
@@ -331,7 +455,16 @@ def ratio(numerator, denominator):
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def compute_medians(runs, lmcache):
+def _engine_medians(results, prefix):
+    """Medians of the engine results that did not fail (``prefix``: retrieve or get)."""
+    ok = [m for m in results if "error" not in m]
+    return {"gbps": bl.median([m[f"{prefix}_gbps"] for m in ok]),
+            "cpu_s_per_gb": bl.median([m[f"{prefix}_cpu_s_per_gb"] for m in ok]),
+            "seconds": bl.median([m[f"{prefix}_seconds"] for m in ok]),
+            "runs": len(ok)}
+
+
+def compute_medians(runs, lmcache, sglang=False):
     medians = {"device": {}}
     for name in ("write_qd16", "read_qd1", "read_qd16"):
         medians["device"][name] = {key: bl.median([r["device"][name][key] for r in runs])
@@ -340,28 +473,43 @@ def compute_medians(runs, lmcache):
         medians[side] = {
             name: {key: bl.median([r[side][name][key] for r in runs])
                    for key in ("gbps", "cpu_s_per_gb", "seconds")}
-            for name in sp.FIGURES}
+            for name in [*sp.FIGURES, CLIENT_FIGURE]}
         if lmcache:
-            for mode in LMCACHE_MODES:
-                ok = [r[side]["lmcache"][mode] for r in runs if "error" not in r[side]["lmcache"][mode]]
-                medians[side][f"lmcache_retrieve_{mode}"] = {
-                    "gbps": bl.median([m["retrieve_gbps"] for m in ok]),
-                    "cpu_s_per_gb": bl.median([m["retrieve_cpu_s_per_gb"] for m in ok]),
-                    "seconds": bl.median([m["retrieve_seconds"] for m in ok]),
-                    "runs": len(ok)}
+            modes = [*LMCACHE_MODES, LMCACHE_PLUGIN] if side == "kvfs" else LMCACHE_MODES
+            for mode in modes:
+                medians[side][f"lmcache_retrieve_{mode}"] = _engine_medians(
+                    [r[side]["lmcache"][mode] for r in runs], "retrieve")
+        if sglang:
+            names = {"file": "sglang_get_file", "kvfs": "sglang_get_v1_kvfs"}
+            for backend in SGLANG_BACKENDS[side]:
+                medians[side][names[backend]] = _engine_medians(
+                    [r[side]["sglang"][backend] for r in runs], "get")
     return medians
 
 
 def compute_table(medians):
-    """Per figure: both sides' GB/s and CPU-s/GB, kvfs/ext4, and each over the device."""
+    """Per figure: both sides' GB/s and CPU-s/GB, kvfs/ext4, and each over the device.
+
+    An engine row (ENGINE_ROWS) has no figure of the same name on ext4: it is set
+    against the best of the named ext4 figures (``ext4_figure`` says which)."""
     device = medians["device"]
     table = {}
     for name in medians["kvfs"]:
-        k, e = medians["kvfs"][name], medians["ext4"][name]
+        k = medians["kvfs"][name]
+        extra = {}
+        if name in ENGINE_ROWS:
+            candidates = [c for c in ENGINE_ROWS[name]
+                          if c in medians["ext4"] and medians["ext4"][c]["gbps"] is not None]
+            if not candidates:
+                continue
+            best = max(candidates, key=lambda c: medians["ext4"][c]["gbps"])
+            e, extra = medians["ext4"][best], {"ext4_figure": best}
+        else:
+            e = medians["ext4"][name]
         row = {"kvfs_gbps": k["gbps"], "kvfs_cpu_s_per_gb": k["cpu_s_per_gb"],
                "ext4_gbps": e["gbps"], "ext4_cpu_s_per_gb": e["cpu_s_per_gb"],
                "speed_ratio": ratio(k["gbps"], e["gbps"]),
-               "cpu_ratio": ratio(k["cpu_s_per_gb"], e["cpu_s_per_gb"])}
+               "cpu_ratio": ratio(k["cpu_s_per_gb"], e["cpu_s_per_gb"]), **extra}
         limits = ({"device_write_qd16": "write_qd16"} if name == sp.WRITE_PATH else
                   {"device_qd1": "read_qd1", "device_qd16": "read_qd16"})
         for label, key in limits.items():
@@ -390,6 +538,16 @@ def fmt(value):
     return "-" if value is None else f"{value:.2f}"
 
 
+def sglang_available():
+    """(True, None) when tools/sglang_workload.py and SGLang's HiCache classes import."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            import sglang_workload  # noqa: F401
+    except ImportError as exc:
+        return False, f"sglang does not import: {exc}"
+    return True, None
+
+
 def lmcache_available():
     """(True, None) when tools/lmcache_workload.py and the real LMCache import, else (False, why)."""
     try:
@@ -402,7 +560,7 @@ def lmcache_available():
 
 def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_size=None,
         workdir="/tmp", kvfs_options="", keep=False, lmcache=True, seed=0,
-        daemon_threads=DAEMON_THREADS):
+        daemon_threads=DAEMON_THREADS, sglang=True):
     if chunk_bytes % 4096:
         raise bl.BenchError("the chunk size must be a multiple of 4 KiB")
     total = chunks * chunk_bytes
@@ -415,6 +573,13 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
             lmcache_shape(chunk_bytes)          # refuse a size LMCache cannot hold, before any setup
         else:
             bl.log(f"LMCache rows skipped: {lmcache_why}")
+    sglang_why = "--no-sglang"
+    if sglang:
+        sglang, sglang_why = sglang_available()
+        if sglang:
+            sglang_shape(chunk_bytes)
+        else:
+            bl.log(f"SGLang rows skipped: {sglang_why}")
     binary = build_daemon()
     os.makedirs(workdir, exist_ok=True)
     root = Path(workdir) / f"kvfs-bench-netdev-{os.getpid()}"
@@ -443,8 +608,9 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
                         bl.log(f"latency {latency} us, repeat {rep + 1}/{repeat}")
                         expected = [None] * chunks
                         runs.append(run_repeat(rep, lat_root, namespaces, contents, views, expected,
-                                               buffers, chunk_bytes, seed, kvfs_options, lmcache))
-                medians = compute_medians(runs, lmcache)
+                                               buffers, chunk_bytes, seed, kvfs_options, lmcache,
+                                               sglang))
+                medians = compute_medians(runs, lmcache, sglang)
                 table = compute_table(medians)
                 log_summary(latency, medians, table)
                 results[str(latency)] = {"runs": runs, "medians": medians, "table": table}
@@ -458,6 +624,8 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
         "loop_dio": {lat: {side: info["dio"] for side, info in sides.items()}
                      for lat, sides in namespaces_info.items()},
         "lmcache": bool(lmcache), "lmcache_skipped": None if lmcache else lmcache_why,
+        "sglang": bool(sglang), "sglang_skipped": None if sglang else sglang_why,
+        "client": f"{CLIENT_FIGURE}: kvfs.client.read_many of every file from one thread",
         "workdir": str(root), "kept": keep,
         "kernel": platform.release(), "cpus": os.cpu_count(),
         "device_limit": "fio 1 MiB O_DIRECT libaio on the raw loop device: seq write QD16, "
@@ -467,7 +635,7 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
         "cpu": "/proc/stat busy (user+nice+system+irq+softirq+steal, all CPUs), timed section only",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    failed = any("error" in r[side].get("lmcache", {}).get(mode, {})
+    failed = any("error" in result
                  for lat in results.values() for r in lat["runs"] for side in SIDES
-                 for mode in LMCACHE_MODES)
+                 for engine in ("lmcache", "sglang") for result in r[side].get(engine, {}).values())
     return {"config": config, "latencies": results}, 1 if failed else 0
