@@ -323,7 +323,13 @@ def _read_files(files: list[_File]) -> list[int]:
                 _state.count(fallback_files=1)
             plain_read(f.fd, f.view, f.size, f.path)
         sizes.append(f.size)
+    _state.local.ways = [f.ok for f in files]
     return sizes
+
+
+def last_ways() -> list[bool]:
+    """Per file of this thread's last read_into/read_many: whether the device served it (else the mount)."""
+    return list(getattr(_state.local, "ways", ()))
 
 
 def bypass_open_file(fd: int, view: memoryview, size: int, path: PathLike) -> bool:

@@ -113,12 +113,6 @@ class LeaseTable:
     def next_expiry(self) -> float | None:
         return min((lease.expires for lease in self.held.values()), default=None)
 
-    def close(self) -> None:
-        """End every lease (unmount): their pins go, and with them what they deferred."""
-        for lease in self.held.values():
-            self.cache.let_go_blocks(lease.keys)
-        self.held.clear()
-
     def statistics(self) -> LeaseStatistics:
         keys, nbytes = set(), 0
         for lease in self.held.values():       # leases last seconds: a few thousand at most
