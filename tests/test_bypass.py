@@ -308,6 +308,23 @@ def test_a_lease_held_defers_the_free_of_an_unlinked_file(long_leases):
     assert after["leases_held"] == 0 and after["used_bytes"] == base["used_bytes"] - 2 * MiB + 4096
 
 
+def test_a_lease_held_defers_the_free_of_an_evicted_file(long_leases):
+    fs = long_leases
+    write_new(fs.mnt / "f", pattern(19, 3 * MiB))
+    _sealed(fs, "f")
+    base = _daemon(fs)
+    m = _take_map(fs.mnt / "f")
+    write_new(fs.mnt / "g", b"y")
+    fs.admin("evict", fs.mnt, str(fs.mnt / "f"))
+    assert not (fs.mnt / "f").exists()
+    fs.flush()
+    held = _daemon(fs)
+    assert held["leases_held"] == 1 and held["lease_deferred_bytes"] == 3 * MiB
+    assert held["used_bytes"] == base["used_bytes"] + 4096
+    assert _end(fs.mnt / "g", m["lease"]) is True
+    assert _daemon(fs)["used_bytes"] == base["used_bytes"] - 3 * MiB + 4096
+
+
 def test_lease_seconds_is_checked():
     assert parse_options("lease_seconds=0.5")[0].lease_seconds == 0.5
     for bad in ("0", "-1", "nan", "abc", "100000"):
