@@ -343,6 +343,28 @@ def run_lmcache_plugin(side, chunks, chunk_bytes):
     return result
 
 
+def release_bypass_devices():
+    """Close the device descriptors kvfs.client's bypass keeps open in this process.
+
+    The client opens a store's device once and keeps it for the process's life; here
+    that device is a loop device the benchmark detaches after each repeat, and an open
+    descriptor would keep its namespace file busy (latencydev then cannot unmount).
+    Uses the client's ``release_devices()`` where it has one.
+    """
+    bypass = sys.modules.get("kvfs.client.bypass")
+    if bypass is None:
+        return
+    release = getattr(bypass, "release_devices", None)
+    if release is not None:
+        release()
+        return
+    state = bypass._state
+    with state.lock:
+        held, state.devices = list(state.devices.values()), {}
+    for fd, *_ in held:
+        os.close(fd)
+
+
 def run_read_many(side, contents, expected, buffers, file_bytes):
     """kvfs.client.read_many of every file, cold, from one calling thread."""
     from kvfs.client import read_many
@@ -432,6 +454,8 @@ def run_repeat(rep, root, namespaces, contents, views, expected, buffers, file_b
         rep_root.mkdir()
         teardown.add(f"rmdir {rep_root}", lambda: rep_root.is_dir() and rep_root.rmdir())
         sides = mount_sides(teardown, rep_root, namespaces, kvfs_options)
+        # Runs before the unmounts (teardown is last in, first out).
+        teardown.add("close kvfs.client's device descriptors", release_bypass_devices)
         for name in order:
             bl.log(f"repeat {rep + 1}: {name}")
             run[name] = sp.run_side(sides[name], views, expected, buffers, file_bytes)
