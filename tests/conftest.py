@@ -37,7 +37,8 @@ SHARED_GROUPS = {
     # The kernel's page cache: these drop it for the whole machine (/proc/sys/vm/
     # drop_caches, for cold reads), or count the reads, lookups or getattrs that reach
     # the daemon (which a drop by another test would change: it drops dentries too).
-    "page-cache": ("test_bench_netdev.py", "test_bench_tool.py", "test_eviction.py", "test_faults_writers.py",
+    "page-cache": ("test_bench_netdev.py", "test_bench_tool.py", "test_bypass.py", "test_eviction.py",
+                   "test_faults_writers.py", "test_sglang_backend.py",
                    "test_native_reads.py", "test_ops_admin.py", "test_ops_metrics.py", "test_page_cache_coherence.py",
                    "test_page_fill.py",
                    "test_page_writer_opens.py", "test_read_path.py", "test_writeback_prefetch.py"),
