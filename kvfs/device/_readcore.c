@@ -309,11 +309,6 @@ static void *into_worker(void *arg)
     struct into_job *job = arg;
     uint8_t *bounce = NULL, *bufs[INTO_TASK_BLOCKS];
 
-    if (job->bounce_bytes && posix_memalign((void **)&bounce, KVFS_SECTOR, job->bounce_bytes)) {
-        int expected = 0;
-        __atomic_compare_exchange_n(&job->err, &expected, -ENOMEM, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-        return NULL;
-    }
     for (;;) {
         size_t t = __atomic_fetch_add(&job->next, 1, __ATOMIC_SEQ_CST), first, count, i, pos = 0;
         int rc;
@@ -326,6 +321,14 @@ static void *into_worker(void *arg)
             if (into_direct(job, first + i)) {
                 bufs[i] = job->dests[first + i];
             } else {
+                /* Taken at the first block that needs it: buffers that are aligned need none. */
+                if (!bounce && posix_memalign((void **)&bounce, KVFS_SECTOR, job->bounce_bytes)) {
+                    int expected = 0;
+                    bounce = NULL;
+                    __atomic_compare_exchange_n(&job->err, &expected, -ENOMEM, 0, __ATOMIC_SEQ_CST,
+                                                __ATOMIC_SEQ_CST);
+                    return NULL;
+                }
                 bufs[i] = bounce + pos;
                 pos += kvfs_span(job->checks[first + i].length);
             }
