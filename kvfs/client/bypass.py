@@ -73,6 +73,7 @@ BLOCKMAP_XATTR = b"user.kvfs.blockmap"
 LEASE_END_PREFIX = b"user.kvfs.lease.end."
 XATTR_SIZE_MAX = 65536            # one getxattr with the kernel's largest value: one request to the daemon
 XATTR_NAME_MAX = 255
+MAP_KEYS = {"lease", "seconds", "version", "size", "block_size", "device", "seed", "secret", "blocks"}
 READ_THREADS = 8                  # device runs in flight per submission (the read core's threads)
 BYPASS_ENV = "KVFS_CLIENT_BYPASS"  # "off": read through the mount only
 DENIED_RETRY_S = 10.0             # a mount that refused a map is asked again after this long
@@ -176,7 +177,9 @@ def _block_map(fd: int, st_dev: int) -> Optional[dict]:
         return None
     except ValueError:
         return None
-    return found if isinstance(found, dict) and "lease" in found else None
+    if not isinstance(found, dict) or not MAP_KEYS <= found.keys():
+        return None
+    return found
 
 
 def _device_fd(path: str) -> int:
@@ -273,6 +276,10 @@ def _bypass(files: list[_File]) -> None:
         return
     try:
         _read_mapped(mapped)
+    except (KeyError, IndexError, TypeError, ValueError):     # a map this client cannot use
+        for f in mapped:
+            f.ok = False
+        _state.count(read_errors=len(mapped))
     finally:
         by_mount: dict[int, list[_File]] = {}          # lease ids are the daemon's: end each on its mount
         for f in mapped:
