@@ -137,6 +137,10 @@ def test_read_into_is_bit_exact_and_reads_the_device_itself(kvfs):
     assert client_after.bypass_files - client.bypass_files == 4 * nonempty
     assert client_after.bypass_bytes - client.bypass_bytes == 4 * sum(len(v) for v in files.values())
     assert client_after.fallback_files == client.fallback_files
+    bypass.release_devices()                    # closed; the next read opens the device again
+    buf = bytearray(len(files["f1"]))
+    assert read_into(kvfs.mnt / "f1", buf) == 1 and bytes(buf) == files["f1"]
+    assert bypass.statistics().bypass_files == client_after.bypass_files + 1
 
 
 def test_a_buffer_smaller_than_the_file_is_a_value_error(kvfs):

@@ -65,7 +65,7 @@ def _load_readcore():
 
 _readcore = _load_readcore()
 
-__all__ = ["read_into", "read_many", "statistics", "BypassStatistics"]
+__all__ = ["read_into", "read_many", "release_devices", "statistics", "BypassStatistics"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -207,6 +207,15 @@ def _device_fd(path: str) -> int:
         opened = os.fstat(fd)
         _state.devices[path] = (fd, opened.st_dev, opened.st_ino)
         return fd
+
+
+def release_devices() -> None:
+    """Close the device descriptors this process keeps (the next bypass read opens them again):
+    for a tool that detaches or removes a device the process has read."""
+    with _state.lock:
+        held, _state.devices = list(_state.devices.values()), {}
+    for fd, *_ in held:
+        os.close(fd)
 
 
 def _end_leases(fd: int, ids: list[int]) -> list[bool]:
