@@ -78,7 +78,7 @@ def _import_sglang_pools():
 (MHATokenToKVPool, MLATokenToKVPool,
  MHATokenToKVPoolHost, MLATokenToKVPoolHost) = _import_sglang_pools()
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 MODEL = "kvfs-test/tiny-model"
