@@ -200,12 +200,18 @@ rados_osd_op_timeout = 5
         return subprocess.Popen(self._netns(*argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=open(self.dir / "log" / f"{argv[0]}.stderr", "ab"), start_new_session=True)
 
-    def admin(self, timeout: float = 20.0):
+    def admin(self, timeout: float = 15.0, tries: int = 3):
         rados = _rados()
-        cluster = rados.Rados(conffile=str(self.conf), name="client.admin",
-                              conf={"keyring": str(self.admin_keyring)})
-        cluster.connect(timeout=int(timeout))
-        return _Closing(cluster)
+        for attempt in range(tries):
+            cluster = rados.Rados(conffile=str(self.conf), name="client.admin",
+                                  conf={"keyring": str(self.admin_keyring)})
+            try:
+                cluster.connect(timeout=int(timeout))
+                return _Closing(cluster)
+            except rados.TimedOut:
+                cluster.shutdown()
+                if attempt == tries - 1:
+                    raise
 
     @staticmethod
     def _command(cluster, **cmd):
@@ -291,6 +297,9 @@ rados_osd_op_timeout = 5
     def add_tenant(self, tenant: str) -> tuple[str, Path]:
         """A cephx user for ``tenant``, allowed only its RADOS namespace. Returns (ceph_id, keyring)."""
         name = f"client.kv-{tenant}"
+        keyring = self.dir / f"{name}.keyring"
+        if keyring.exists():
+            return f"kv-{tenant}", keyring
         with self.admin() as cluster:
             self._command(cluster, prefix="auth get-or-create", entity=name,
                           caps=["mon", "allow r", "osd", f"allow rw pool={POOL} namespace={tenant}"])

@@ -120,3 +120,112 @@ def test_bad_tier_options_fail_the_mount_clearly(ceph, tmp_path, change, message
     with pytest.raises(AssertionError, match=message):
         host.mount()
     assert not host.mounted
+
+
+def test_dead_osds_local_keeps_working_lookups_keep_their_deadline_publishing_resumes(ceph, hosts, tmp_path):
+    key = tenant_key(tmp_path, "t1")
+    a = hosts("ka", "t1", key, tier_deadline="1")
+    b = hosts("kb", "t1", key, tier_deadline="1")
+    first = os.urandom(4 << 20)
+    write_chunk(a.mnt / "c1.bin", first)
+    assert read_when_there(b.mnt / "c1.bin", timeout=60)[0] == first
+    ceph.kill_osd(0)                    # one OSD dead, the other hung: the cluster answers nothing
+    ceph.pause_osds()
+    try:
+        second = os.urandom(4 << 20)
+        t0 = time.monotonic()
+        write_chunk(a.mnt / "c2.bin", second)
+        close_s = time.monotonic() - t0
+        with open(a.mnt / "c2.bin", "rb") as f:
+            assert f.read() == second            # local data keeps working on A
+        with open(b.mnt / "c1.bin", "rb") as f:
+            assert f.read() == first             # ... and on B
+        t0 = time.monotonic()
+        assert not (b.mnt / "c2.bin").exists()   # the tier cannot answer: a miss, in time
+        lookup_s = time.monotonic() - t0
+        print(f"cluster down: close on A {close_s:.2f} s, lookup miss on B {lookup_s:.2f} s (deadline 1 s)")
+        assert lookup_s < 1.0 + 2.0
+        assert close_s < 1.0 + 5       # its create's lookup may wait for one deadline, no more
+        assert b.stats()["tier_timeouts"] >= 1
+    finally:
+        ceph.resume_osds(wait=False)
+        ceph.replace_osd(0)
+        ceph.wait_active()
+    third = os.urandom(2 << 20)
+    write_chunk(a.mnt / "c3.bin", third)
+    got, _ = read_when_there(b.mnt / "c3.bin", timeout=60)   # publishing resumed
+    assert got == third
+    assert b.stats()["tier_verify_failures"] == 0
+
+
+def test_a_burst_of_writes_keeps_the_publish_queue_bounded(ceph, hosts, tmp_path):
+    a = hosts("qa", "t1", tenant_key(tmp_path, "t1"), tier_queue="4")
+    rss_before = a.stats()["rss_bytes"]
+    ceph.pause_osds()                   # the publishers hang on their first put
+    try:
+        t0 = time.monotonic()
+        for i in range(40):
+            write_chunk(a.mnt / f"burst-{i}.bin", os.urandom(1 << 20))
+        burst_s = time.monotonic() - t0
+        def accounted(s):       # every offer is queued, dropped, or was taken by a publisher
+            taken = s["tier_publish_errors"] + s["tier_published_files"] + s["tier_publish_skipped"] + 2
+            return s["tier_queue_len"] + s["tier_queue_drops"] + taken
+        deadline = time.monotonic() + 30
+        while accounted(a.stats()) < 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s = a.stats()
+        print(f"burst of 40 files: {burst_s:.2f} s; queue max {s['tier_queue_max']}, "
+              f"drops {s['tier_queue_drops']}, publish errors {s['tier_publish_errors']}, "
+              f"rss {s['rss_bytes'] - rss_before:+,} bytes")
+        assert s["tier_queue_max"] <= 4 and s["tier_queue_len"] <= 4
+        # Each publisher takes an offer, fails after its 10 s timeout, and takes the next:
+        # all the others were dropped.
+        taken = s["tier_publish_errors"] + s["tier_published_files"] + s["tier_publish_skipped"] + 2
+        assert s["tier_queue_drops"] >= 40 - 4 - taken > 0
+        assert burst_s < 30          # close() never waited for the tier
+        for i in range(40):
+            assert (a.mnt / f"burst-{i}.bin").stat().st_size == 1 << 20
+    finally:
+        ceph.resume_osds()
+
+
+def test_a_poisoned_object_is_never_served_through_a_mount(ceph, hosts, tmp_path):
+    from kvfs.tier.names import TenantNames
+    from kvfs.tier.rados import load_rados
+    secret = os.urandom(32)
+    key = tenant_key(tmp_path, "t1", secret)
+    a = hosts("pa", "t1", key)
+    data = os.urandom(3 << 20)
+    write_chunk(a.mnt / "p.bin", data)
+    deadline = time.monotonic() + 60
+    while a.stats()["tier_published_files"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    names = TenantNames("t1", secret.hex().encode())
+    victim = names.block_names(data, 1 << 20)[2]
+    rados = load_rados()
+    ceph_id, keyring = ceph.add_tenant("t1")
+    cluster = rados.Rados(conffile=str(ceph.client_conf(ceph_id, keyring)), rados_id=ceph_id)
+    cluster.connect(timeout=10)
+    try:
+        ioctx = cluster.open_ioctx("kvpool")
+        ioctx.set_namespace("t1")
+        bad = bytearray(data[2 << 20:])
+        bad[-1] ^= 0xFF
+        ioctx.write_full(victim, bytes(bad))      # the tenant's own credentials, straight to RADOS
+        b = hosts("pb", "t1", key)
+        assert not (b.mnt / "p.bin").exists()     # never served
+        s = b.stats()
+        assert (s["tier_verify_failures"], s["tier_quarantined"], s["tier_hits"]) == (1, 1, 0)
+        deadline = time.monotonic() + 20
+        while True:                                # quarantined: moved aside, then deleted
+            try:
+                ioctx.stat(victim)
+            except rados.ObjectNotFound:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ioctx.read("q" + victim, 2 << 20) == bytes(bad)
+        ioctx.close()
+    finally:
+        cluster.shutdown()

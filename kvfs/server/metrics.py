@@ -239,6 +239,8 @@ METRICS = {
     "tier_hits": ("kvfs_tier_hits_total", COUNTER, "Tier lookups that found and verified the file."),
     "tier_misses": ("kvfs_tier_misses_total", COUNTER, "Tier lookups that found nothing usable."),
     "tier_misses_cached": ("kvfs_tier_misses_cached_total", COUNTER, "Tier misses answered from the miss cache."),
+    "tier_misses_down": ("kvfs_tier_misses_down_total", COUNTER,
+                         "Tier misses answered at once: the tier had just run out of time."),
     "tier_fetched_files": ("kvfs_tier_fetched_files_total", COUNTER, "Files fetched from the tier."),
     "tier_fetched_blocks": ("kvfs_tier_fetched_blocks_total", COUNTER, "Block objects fetched from the tier."),
     "tier_fetched_bytes": ("kvfs_tier_fetched_bytes_total", COUNTER, "Bytes fetched from the tier."),

@@ -35,6 +35,7 @@ TIER_BLOCK = 1 << 20              # bytes per block object: the store's block si
 MAX_MANIFEST = 1 << 20
 MAX_PUBLISH_BYTES = 1 << 30       # files larger than this are not published (counted)
 MISS_CACHE = 65536                # names remembered as missing, at most
+DOWN_BACKOFF = 5.0                # seconds lookups skip a tier that just ran out of time
 PUBLISH_TIMEOUT = 10.0            # seconds one publishing call may take (not on anyone's path)
 PUBLISH_TRIES = 3                 # a file whose publishing failed is queued again, this often in all
 
@@ -55,6 +56,7 @@ class TierStatistics:
     tier_hits: int = 0
     tier_misses: int = 0
     tier_misses_cached: int = 0             # of those, answered from the miss cache
+    tier_misses_down: int = 0               # of those, answered at once: the tier timed out just before
     tier_fetched_files: int = 0
     tier_fetched_blocks: int = 0
     tier_fetched_bytes: int = 0
@@ -86,6 +88,7 @@ class SharedTier:
         self._stats = TierStatistics()
         self._latency_sum, self._latency_n = 0.0, 0
         self._nursery = None
+        self._down_until = 0.0          # after a timeout, lookups skip the tier until then
         self.warned = False
 
     # -- the namespace's port -------------------------------------------------------------
@@ -111,6 +114,12 @@ class SharedTier:
                 st.tier_misses_cached += 1
                 return None
             del self._misses[path]
+        if self._down_until > time.monotonic() or not self.backend.connected:
+            # Every create is preceded by a lookup of its new name: while the cluster does
+            # not answer, those must not each wait for the deadline.
+            st.tier_misses += 1
+            st.tier_misses_down += 1
+            return None
         shared = self._inflight.get(path)
         if shared is not None:                  # another lookup of the same name is fetching
             await shared[0].wait()
@@ -127,6 +136,7 @@ class SharedTier:
                 holder[0] = await self._fetch(path)
             if scope.cancelled_caught:
                 st.tier_timeouts += 1
+                self._down_until = time.monotonic() + DOWN_BACKOFF
             if holder[0] is None:
                 st.tier_misses += 1
                 self._remember_miss(path)
@@ -229,6 +239,7 @@ class SharedTier:
         st = self._stats
         if "no answer" in str(exc):
             st.tier_timeouts += 1
+            self._down_until = time.monotonic() + DOWN_BACKOFF
         else:
             st.tier_errors += 1
         log.info("shared tier: %s", exc)
