@@ -32,7 +32,7 @@ class TierOptions:
     secret: bytes = dataclasses.field(repr=False, default=b"")
     deadline: float = 2.0           # seconds a lookup that consults the tier may take, at most
     queue: int = 256                # sealed files waiting to be published; more are dropped (counted)
-    concurrency: int = 8            # tier calls in flight, per direction (fetch, publish)
+    concurrency: int = 16           # tier calls in flight at once (fetches and publishes)
     miss_ttl: float = 0.5           # seconds a name the tier lacks is remembered as missing
 
 
