@@ -65,7 +65,8 @@ def test_mount_options(tmp_path):
     conf.write_text("[global]\n")
     base = [("tier", "rados"), ("ceph_conf", str(conf)), ("ceph_id", "kv-t1"), ("ceph_pool", "kvpool"),
             ("tenant", "t1"), ("tenant_key", str(key))]
-    opts = parse_tier_options(base + [("tier_deadline", "0.5"), ("tier_queue", "3")])
+    opts = parse_tier_options(base + [("tier_deadline", "0.5"), ("tier_queue", "3"), ("tier_capacity", "2G")])
+    assert opts.capacity == 2 << 30
     assert (opts.tenant, opts.ceph_id, opts.deadline, opts.queue, opts.secret) == ("t1", "kv-t1", 0.5, 3, b"s" * 32)
     assert parse_tier_options([]) is None
     bad = {
@@ -77,6 +78,7 @@ def test_mount_options(tmp_path):
         "without 'client.'": base[:2] + [("ceph_id", "client.kv")] + base[3:],
         "tier_deadline": base + [("tier_deadline", "0")],
         "tier_queue": base + [("tier_queue", "x")],
+        "tier_capacity": base + [("tier_capacity", "lots")],
         "needs a value": base + [("tier_miss_ttl", "")],
     }
     for message, items in bad.items():

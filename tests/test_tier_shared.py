@@ -152,3 +152,28 @@ def test_fetch_answers_within_the_deadline_while_osds_are_stopped(ceph):
             await published(a, 1, timeout=40)
             nursery.cancel_scope.cancel()
     trio.run(main)
+
+
+def test_the_janitor_keeps_the_tenant_under_its_bound_oldest_first(ceph):
+    from kvfs.tier.janitor import Janitor
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = make(ceph, "tj", b"J" * 32)              # a namespace of its own: nothing else in it
+            await running(a, nursery)
+            files = [(f"/j/{i}".encode(), os.urandom(1 << 20)) for i in range(3)]
+            for n, (path, data) in enumerate(files):
+                a.offer(reader(path, data))
+                await published(a, n + 1)
+                await trio.sleep(0.05)
+            janitor = Janitor(a.backend, int(2.5 * (1 << 20)))
+            assert await janitor.sweep() == 1            # the oldest object, file 0's block, is enough
+            assert janitor.stored_bytes <= int(2.5 * (1 << 20) * 0.9)
+            assert await janitor.sweep() == 0            # under the bound: nothing more
+            fresh = make(ceph, "tj", b"J" * 32)
+            await running(fresh, nursery)
+            assert await fresh.fetch(files[0][0]) is None            # the oldest is gone
+            for path, data in files[1:]:
+                assert await fresh.fetch(path) == (data, 0o644)      # the newer ones stay
+            nursery.cancel_scope.cancel()
+    trio.run(main)

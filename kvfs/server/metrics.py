@@ -252,6 +252,10 @@ METRICS = {
     "tier_latency_ms_last": ("kvfs_tier_latency_last_milliseconds", GAUGE, "The last tier call's latency."),
     "tier_latency_ms_mean": ("kvfs_tier_latency_mean_milliseconds", GAUGE, "Mean tier call latency since mount."),
     "tier_latency_ms_max": ("kvfs_tier_latency_max_milliseconds", GAUGE, "Longest tier call since mount."),
+    "tier_janitor_sweeps": ("kvfs_tier_janitor_sweeps_total", COUNTER, "Janitor passes over the tenant's objects."),
+    "tier_janitor_deleted": ("kvfs_tier_janitor_deleted_total", COUNTER, "Objects the janitor deleted."),
+    "tier_janitor_deleted_bytes": ("kvfs_tier_janitor_deleted_bytes_total", COUNTER, "Bytes the janitor deleted."),
+    "tier_stored_bytes": ("kvfs_tier_stored_bytes", GAUGE, "The tenant's bytes in the tier at the janitor's last listing."),
     "tier_lookup_ms_max": ("kvfs_tier_lookup_max_milliseconds", GAUGE, "Longest lookup that consulted the tier."),
 }
 # Statistics with no metric of their own: labels of kvfs_info, or derived values

@@ -7,6 +7,7 @@ An adapter the server wires in (``tier=rados``); the namespace sees it only as
 ``rados``    those calls over librados (python3-rados), in worker threads, under a deadline
 ``names``    tenant secret, keyed BLAKE2b block and manifest names, the manifest MAC
 ``shared``   SharedTier: the publish queue and workers, verified fetches, statistics
+``janitor``  keeps a tenant's objects under a capacity bound, oldest first (one host runs it)
 ``options``  the mount options
 """
 from __future__ import annotations
@@ -19,5 +20,9 @@ def make_tier(opts, *, block_size=None):
     from .shared import TIER_BLOCK, SharedTier
     backend = RadosBackend(conf=opts.ceph_conf, ceph_id=opts.ceph_id, pool=opts.ceph_pool, namespace=opts.tenant,
                            deadline=opts.deadline, concurrency=opts.concurrency)
-    return SharedTier(backend, TenantNames(opts.tenant, opts.secret), deadline=opts.deadline, queue=opts.queue,
+    tier = SharedTier(backend, TenantNames(opts.tenant, opts.secret), deadline=opts.deadline, queue=opts.queue,
                       miss_ttl=opts.miss_ttl, block_size=block_size or TIER_BLOCK)
+    if opts.capacity:
+        from .janitor import Janitor
+        tier.janitor = Janitor(backend, opts.capacity, interval=opts.janitor_interval)
+    return tier

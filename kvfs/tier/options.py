@@ -16,7 +16,7 @@ from ..errors import InvalidArgument
 from .names import load_secret
 
 TIER_OPTIONS = {"tier", "ceph_conf", "ceph_id", "ceph_pool", "tenant", "tenant_key", "tier_deadline",
-                "tier_queue", "tier_concurrency", "tier_miss_ttl"}
+                "tier_queue", "tier_concurrency", "tier_miss_ttl", "tier_capacity", "tier_janitor_interval"}
 REQUIRED = ("ceph_conf", "ceph_id", "ceph_pool", "tenant", "tenant_key")
 _IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 
@@ -34,6 +34,8 @@ class TierOptions:
     queue: int = 256                # sealed files waiting to be published; more are dropped (counted)
     concurrency: int = 16           # tier calls in flight at once (fetches and publishes)
     miss_ttl: float = 0.5           # seconds a name the tier lacks is remembered as missing
+    capacity: int = 0               # > 0: this host runs the tenant's janitor with this bound (bytes)
+    janitor_interval: float = 60.0
 
 
 def _float(name, value, lo, hi):
@@ -92,4 +94,21 @@ def parse_tier_options(items: list[tuple[str, str]]) -> TierOptions | None:
         opts.concurrency = _int("tier_concurrency", given["tier_concurrency"], 1, 256)
     if "tier_miss_ttl" in given:
         opts.miss_ttl = _float("tier_miss_ttl", given["tier_miss_ttl"], 0, 3600)
+    if "tier_capacity" in given:
+        opts.capacity = _size("tier_capacity", given["tier_capacity"])
+    if "tier_janitor_interval" in given:
+        opts.janitor_interval = _float("tier_janitor_interval", given["tier_janitor_interval"], 0.1, 86400)
     return opts
+
+
+def _size(name, value):
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in units else ""
+    try:
+        number = int(float(text[:-1] if unit else text) * units[unit])
+    except ValueError:
+        raise InvalidArgument(f"bad value for mount option {name!r}: {value!r} (e.g. 500G)") from None
+    if number <= 0:
+        raise InvalidArgument(f"bad value for mount option {name!r}: {value!r} must be positive")
+    return number

@@ -30,6 +30,7 @@ from .backend import TierDenied, TierError, TierTimeout, TierUnavailable
 log = logging.getLogger(__name__)
 
 DIST_PACKAGES = ("/usr/lib/python3/dist-packages",)
+MADE_XATTR = "kvfs.made"         # creation time (ns) of objects put_if_absent made
 
 
 def load_rados():
@@ -207,6 +208,8 @@ class RadosBackend:
         try:
             op.new(self._rados.LIBRADOS_CREATE_EXCLUSIVE)
             op.write_full(data)
+            # When it was made, for the janitor (stat's mtime came back 0 on memstore).
+            op.set_xattr(MADE_XATTR, str(time.time_ns()).encode())
             try:
                 ioctx.operate_write_op(op, name)
             except self._rados.ObjectExists:
@@ -235,7 +238,11 @@ class RadosBackend:
             if obj.nspace != self.namespace:
                 continue
             size, mtime = ioctx.stat(obj.key)
-            out.append((obj.key, size, time.mktime(mtime)))
+            try:
+                made = int(ioctx.get_xattr(obj.key, MADE_XATTR)) / 1e9
+            except (self._rados.Error, ValueError):
+                made = time.mktime(mtime)
+            out.append((obj.key, size, made))
             if len(out) >= limit:
                 break
         return out
@@ -256,7 +263,8 @@ class RadosBackend:
         return await self._call(f"delete {name}", self._delete_sync, name)
 
     async def listing(self, limit: int = 100_000) -> list[tuple[str, int, float]]:
-        """(name, size, mtime) of up to ``limit`` objects of our namespace: for the janitor."""
+        """(name, size, made) of up to ``limit`` objects of our namespace, ``made`` in seconds
+        since the epoch (our creation stamp, else RADOS's mtime): for the janitor."""
         with trio.move_on_after(max(self.deadline, 30)):
             ioctx = self._ioctx
             if ioctx is None:

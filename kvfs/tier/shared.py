@@ -68,6 +68,10 @@ class TierStatistics:
     tier_latency_ms_mean: float = 0.0
     tier_latency_ms_max: float = 0.0
     tier_lookup_ms_max: float = 0.0         # the longest lookup that consulted the tier
+    tier_janitor_sweeps: int = 0            # this host's janitor (tier_capacity=), else all 0
+    tier_janitor_deleted: int = 0
+    tier_janitor_deleted_bytes: int = 0
+    tier_stored_bytes: int = 0              # the tenant's objects at the janitor's last listing
 
 
 # What the namespace hands over: called when the file's turn comes, it answers the file
@@ -89,6 +93,7 @@ class SharedTier:
         self._latency_sum, self._latency_n = 0.0, 0
         self._nursery = None
         self._down_until = 0.0          # after a timeout, lookups skip the tier until then
+        self.janitor = None             # kvfs/tier/janitor.py, on the one host that runs it
         self.warned = False
 
     # -- the namespace's port -------------------------------------------------------------
@@ -151,6 +156,11 @@ class SharedTier:
     def statistics(self) -> TierStatistics:
         self._stats.tier_queue_len = len(self._queue)
         self._stats.tier_connected = int(self.backend.connected)
+        j = self.janitor
+        if j is not None:
+            st = self._stats
+            st.tier_janitor_sweeps, st.tier_janitor_deleted = j.sweeps, j.deleted
+            st.tier_janitor_deleted_bytes, st.tier_stored_bytes = j.deleted_bytes, j.stored_bytes
         return dataclasses.replace(self._stats)
 
     # -- fetching -------------------------------------------------------------------------
@@ -266,6 +276,8 @@ class SharedTier:
             nursery.start_soon(self._keep_connected)
             for _ in range(self.publish_workers):
                 nursery.start_soon(self._publisher)
+            if self.janitor is not None:
+                nursery.start_soon(self.janitor.run)
 
     async def connect_at_mount(self) -> None:
         """One try, before the mount: a cluster that cannot be reached is a warning, not an error."""
