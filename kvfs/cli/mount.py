@@ -329,6 +329,10 @@ def main(argv):
                       "io_timeout=SECONDS (default 60, longer than io_retry), "
                       "metrics_port=PORT, metrics_addr=IP (default 127.0.0.1), "
                       "mmp_interval=SECONDS (default io_retry/4, at least 1), force, "
+                      "the shared tier: tier=rados, ceph_conf=PATH, ceph_id=USER, ceph_pool=POOL, tenant=ID, "
+                      "tenant_key=PATH (root-only file), tier_deadline=SECONDS (default 2), tier_queue=N "
+                      "(default 256), tier_concurrency=N (default 16), tier_miss_ttl=SECONDS (default 0.5), "
+                      "tier_capacity=SIZE (this host runs the janitor), tier_janitor_interval=SECONDS, "
                       "plus generic mount(8) options (rw, defaults, noauto, _netdev, x-*, ...)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
