@@ -48,14 +48,18 @@ def _rados_bench(cluster, seconds, threads):
     def bandwidth(out):
         m = re.search(r"Bandwidth \(MB/sec\):\s+([\d.]+)", out)
         return float(m.group(1)) * 1e6 / 1e9 if m else None      # rados prints MiB-based "MB"/s
-    return {"write_gb_s": bandwidth(write.stdout), "seq_read_gb_s": bandwidth(seq.stdout),
-            "object_bytes": MiB, "threads": threads, "seconds": seconds}
+    out = {"write_gb_s": bandwidth(write.stdout), "seq_read_gb_s": bandwidth(seq.stdout),
+           "object_bytes": MiB, "threads": threads, "seconds": seconds}
+    for name, proc in (("write", write), ("seq", seq)):
+        if bandwidth(proc.stdout) is None:
+            out[f"{name}_error"] = (proc.stderr.strip() or proc.stdout.strip())[-300:]
+    return out
 
 
 def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rados_threads=16, keep=False):
     from ceph_cluster import CephCluster, make_host, tenant_key, tier_options
     scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-tier-", dir=workdir))
-    memstore = max(1024, (chunks * chunk_bytes * 2) // MiB + 512)
+    memstore = max(2048, (chunks * chunk_bytes * 2) // MiB + 1024)
     cluster = CephCluster(memstore_mib=memstore)
     hosts = []
     try:
