@@ -98,12 +98,14 @@ def test_stopped_osds_answer_within_the_deadline(ceph):
                 assert took < 1.0 + 1.5, took
         finally:
             ceph.resume_osds()
-        with trio.fail_after(30):
-            while True:
-                try:
-                    assert await b.get(name, 100) == b"before"
-                    break
-                except TierTimeout:
-                    pass
-        b.close()
+        try:
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        assert await b.get(name, 100) == b"before"
+                        break
+                    except TierTimeout:
+                        pass
+        finally:
+            b.close()
     trio.run(main)

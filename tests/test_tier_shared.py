@@ -3,6 +3,7 @@ tenants apart, a poisoned object never served, the queue bounded, the deadline k
 import os
 import time
 
+import pytest
 import trio
 
 from ceph_cluster import ceph  # noqa: F401  (the session's cluster)
@@ -11,10 +12,23 @@ from kvfs.tier.rados import RadosBackend, load_rados
 from kvfs.tier.shared import SharedTier
 
 
+_backends = []
+
+
+@pytest.fixture(autouse=True)
+def close_backends():
+    """Every connection a test made is closed after it: librados aborts the process at
+    exit while a connection is open."""
+    yield
+    while _backends:
+        _backends.pop().close()
+
+
 def make(ceph, tenant, secret, *, deadline=3.0, queue=16, block=1 << 20):
     ceph_id, keyring = ceph.add_tenant(tenant)
     conf = ceph.client_conf(ceph_id, keyring)
     backend = RadosBackend(conf=str(conf), ceph_id=ceph_id, pool="kvpool", namespace=tenant, deadline=deadline)
+    _backends.append(backend)
     return SharedTier(backend, TenantNames(tenant, secret), deadline=deadline, queue=queue, miss_ttl=0.3,
                       block_size=block)
 

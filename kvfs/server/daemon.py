@@ -269,6 +269,8 @@ class Daemon:
                 self._unmount()
             self._end_ops()
             self._gc.uninstall()
+            if self.fs.tier is not None:
+                self.fs.tier.close()        # librados aborts at exit under an open connection
 
     def _attach_tier(self):
         """The shared tier of ``tier=`` (kvfs/tier/), wired into the namespace; None without."""

@@ -279,6 +279,10 @@ class SharedTier:
             if self.janitor is not None:
                 nursery.start_soon(self.janitor.run)
 
+    def close(self) -> None:
+        """Disconnect (once no librados call runs: see RadosBackend.close). At unmount."""
+        self.backend.close()
+
     async def connect_at_mount(self) -> None:
         """One try, before the mount: a cluster that cannot be reached is a warning, not an error."""
         try:
