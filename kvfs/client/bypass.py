@@ -11,7 +11,8 @@ OSError(EIO) rather than leave stale bytes in the buffer's tail.
 
 How a read goes (the bypass; docs/architecture.md, "Bypass reads"):
 
-1. The file is opened through the mount, so the kernel checks permissions.
+1. The file is opened through the mount, so the kernel checks permissions
+   (O_DIRECT: a buffered open of a cold file would fill the page cache first).
 2. ``user.kvfs.blockmap`` on the open file gives its block map under a lease
    (kvfs/fuse/blockmaps.py): where each block lies on the device, its key and
    salt, and the store's seed and secret. The daemon gives maps only to root
@@ -35,6 +36,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import fcntl
 import importlib.machinery
 import importlib.util
 import os
@@ -337,10 +339,39 @@ def _read_files(files: list[_File]) -> list[int]:
                 _state.count(no_map=1)
             if f.size:
                 _state.count(fallback_files=1)
-            plain_read(f.fd, f.view, f.size, f.path)
+            _plain_read_buffered(f)
         sizes.append(f.size)
     _state.local.ways = [f.ok for f in files]
     return sizes
+
+
+def _open_for_map(path: PathLike) -> int:
+    """Open ``path`` read-only for its block map: with O_DIRECT where the filesystem takes it.
+
+    kvfs answers a buffered read-only open of a cold file by filling the kernel's
+    page cache with the whole file from the device (mount option page_fill), which
+    a reader that then reads the device itself pays for twice: measured, read_many
+    of 8 cold 32 MiB chunks ran at 1.5 GB/s opened buffered and 3.6 GB/s opened
+    O_DIRECT on the same emulated namespace."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:              # a filesystem without O_DIRECT (tmpfs)
+            raise
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _plain_read_buffered(f: _File) -> int:
+    """The read through the mount, on a buffered descriptor: the caller's buffer need not
+    be aligned as O_DIRECT wants (the one :func:`_open_for_map` made may be O_DIRECT).
+    /proc/self/fd opens the same file again, even if its name was renamed over since."""
+    if not fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT:
+        return plain_read(f.fd, f.view, f.size, f.path)
+    fd = os.open(f"/proc/self/fd/{f.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return plain_read(fd, f.view, f.size, f.path)
+    finally:
+        os.close(fd)
 
 
 def last_ways() -> list[bool]:
@@ -373,7 +404,7 @@ def read_many(items: Sequence[tuple[PathLike, Any]]) -> list[int]:
     try:
         for path, buffer in items:
             view = byte_view(buffer)
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _open_for_map(path)
             size = os.fstat(fd).st_size
             files.append(_File(path, view, fd, size))
             if size > view.nbytes:
