@@ -127,13 +127,22 @@ def test_the_kernel_answers_stats_itself_and_forgets_an_evicted_name(kvfs_factor
     fs.flush()
     for name in names:
         assert os.stat(name).st_size == CHUNK
-    before = fs.stats()
-    time.sleep(1.5)                                 # past the 1 s the kernel used to keep them
-    for name in names:
-        assert os.stat(name).st_size == CHUNK and os.path.exists(name)
-    after = fs.stats()
-    for counter in ("kernel_lookup_requests", "kernel_getattr_requests"):
-        assert after[counter] == before[counter], counter
+    counters = ("kernel_lookup_requests", "kernel_getattr_requests")
+    # On a 6.18 kernel a few seconds after the files were made, the kernel now and then
+    # asks again for all of them once (seen 0-2 times in the first 4 s, never later;
+    # cause not found). So: some 1.5 s window out of three must reach the daemon not
+    # at all. With entries or attributes kept 1 s, every window does.
+    windows = []
+    for _ in range(3):
+        before = fs.stats()
+        time.sleep(1.5)                             # past the 1 s the kernel used to keep them
+        for name in names:
+            assert os.stat(name).st_size == CHUNK and os.path.exists(name)
+        after = fs.stats()
+        windows.append({c: after[c] - before[c] for c in counters})
+        if not any(windows[-1].values()):
+            break
+    assert not any(windows[-1].values()), windows
     fs.admin("evict", fs.mnt, names[0])
     assert fs.stats()["kernel_entry_invalidations"] == 1
     # The drop runs in pyfuse3's notify thread once the evict command's request is done.
