@@ -368,6 +368,7 @@ def release_bypass_devices():
 def run_read_many(side, contents, expected, buffers, file_bytes):
     """kvfs.client.read_many of every file, cold, from one calling thread."""
     from kvfs.client import read_many
+    from kvfs.client.bypass import last_ways
     count = len(contents)
     paths = [os.path.join(os.path.dirname(side.directory), "client", os.path.basename(p))
              for p in side.paths(count)]
@@ -382,10 +383,12 @@ def run_read_many(side, contents, expected, buffers, file_bytes):
         items = [(path, memoryview(buf)[:file_bytes]) for path, buf in zip(paths, buffers)]
         sizes, timing = bl.timed(read_many, items)
         device_bytes = side.device_bytes_read() - device_before
+        ways = last_ways()                     # per file: read from the device itself (else the mount)
         nbytes = sum(sizes)
         checked = sp.verify(paths, buffers, file_bytes, expected)
         result = sp.figure((timing.seconds, timing.cpu_seconds), nbytes, count * file_bytes,
-                           files_verified=checked, device_bytes_read=device_bytes, threads=1)
+                           files_verified=checked, device_bytes_read=device_bytes, threads=1,
+                           files_bypassed=sum(ways))
         if device_bytes < nbytes:
             raise sp.ColdCheckFailed(f"{side.name} {CLIENT_FIGURE}: the device delivered "
                                      f"{device_bytes} bytes for {nbytes} bytes read")
