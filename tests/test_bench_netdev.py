@@ -151,6 +151,34 @@ def test_netdev_reports_every_figure_and_tears_down(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_netdev_on_tmpfs_loop_devices(tmp_path):
+    """--latency-us tmpfs: loop devices in direct-I/O mode straight on tmpfs files (no latency
+    daemon), the same figures, and nothing left behind."""
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(BENCH), "netdev", "--latency-us", "tmpfs", "--chunks", "2",
+                           "--chunk-mib", "4", "--repeat", "1", "--dev-size", "256M", "--no-lmcache",
+                           "--no-sglang", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["config"]["latencies_us"] == ["tmpfs"]
+    assert out["config"]["loop_dio"] == {"tmpfs": {"ext4": 1, "kvfs": 1}}
+    for ns in out["config"]["namespaces"]["tmpfs"].values():
+        assert ns["backing"] == "tmpfs" and ns["latency_us"] is None and ns["size"] == 256 * MiB
+    run = out["latencies"]["tmpfs"]["runs"][0]
+    client = run["kvfs"]["cold_read_many_1t"]
+    assert client["files_verified"] == 2 and client["device_bytes_read"] >= 8 * MiB
+    assert client["files_bypassed"] == 2                  # the device itself, not the mount
+    assert "--- tmpfs: device" in proc.stderr
+    assert leftovers(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_netdev_refuses_a_device_it_does_not_know():
+    proc = subprocess.run([sys.executable, str(BENCH), "netdev", "--latency-us", "100,ramdisk"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "'ramdisk' is neither microseconds >= 0 nor tmpfs" in proc.stderr
+
+
 def test_netdev_interrupted_still_tears_down(tmp_path):
     """Ctrl-C while the filesystems are in use leaves no mount, loop device or daemon behind."""
     pytest.importorskip("torch")

@@ -9,6 +9,9 @@ on that file; /sys/block/loopN/loop/dio must read 1 (else the loop driver fell
 back to buffered I/O, and the benchmark stops).  The loop driver then keeps many
 requests in flight, so throughput grows with queue depth as on networked flash.
 The daemon is compiled on first use into tools/netdev/build/ (git-ignored).
+The entry ``tmpfs`` in ``--latency-us`` instead puts the loop device straight on a
+file in a tmpfs of its own (no daemon): issue 35's third device, RAM behind the
+block layer with no FUSE hop.
 
 For each latency (``--latency-us``, default 100 and 300 µs) two daemons and two
 loop devices are started; then, ``--repeat`` times:
@@ -220,6 +223,53 @@ class Namespace:
         return {"loop": self.loop, "dio": self.dio, "file": str(self.file), "size": self.size,
                 "latency_us": self.latency_us, "daemon_threads": self.threads, "prefault": True,
                 "daemon_init": self.init, "loop_queue": self.queue}
+
+
+class TmpfsNamespace(Namespace):
+    """A direct-I/O loop device on a file in a tmpfs of its own (tmpfs takes O_DIRECT since
+    Linux 6.6); the tmpfs is sized to the file, so its RAM is what the namespace holds."""
+
+    def __init__(self, name, root, size):
+        super().__init__(name, None, root, size, "tmpfs", threads=0)
+
+    def start(self, teardown, timeout=30):
+        self.mountpoint.mkdir()
+        teardown.add(f"rmdir {self.mountpoint}",
+                     lambda: self.mountpoint.is_dir() and self.mountpoint.rmdir())
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size + MiB},mode=0700",
+                               "kvfs-bench-netdev", str(self.mountpoint)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise bl.BenchError(f"mount tmpfs on {self.mountpoint}: {proc.stderr.strip()}")
+        teardown.add(f"umount {self.mountpoint}", self.stop)
+        with open(self.file, "wb") as f:
+            f.truncate(self.size)
+        self.attach(teardown)
+        return self
+
+    def stop(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while os.path.ismount(self.mountpoint):
+            proc = subprocess.run(["umount", str(self.mountpoint)], capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise bl.BenchError(f"umount {self.mountpoint}: {proc.stderr.strip()}")
+            time.sleep(0.1)
+
+    def describe(self):
+        return {"loop": self.loop, "dio": self.dio, "file": str(self.file), "size": self.size,
+                "latency_us": None, "backing": "tmpfs", "loop_queue": self.queue}
+
+
+def make_namespace(name, binary, root, size, device, daemon_threads):
+    """``device``: a latency in µs (a latencydev namespace) or "tmpfs"."""
+    if device == "tmpfs":
+        return TmpfsNamespace(name, root, size)
+    return Namespace(name, binary, root, size, device, daemon_threads)
+
+
+def device_label(device):
+    return "tmpfs" if device == "tmpfs" else f"{device} us"
 
 
 def detach_loop(dev, timeout=30):
@@ -548,7 +598,7 @@ def compute_table(medians):
 
 def log_summary(latency_us, medians, table):
     device = medians["device"]
-    bl.log(f"--- {latency_us} us: device (fio, raw loop) read QD1 "
+    bl.log(f"--- {device_label(latency_us)}: device (fio, raw loop) read QD1 "
            f"{fmt(device['read_qd1']['gbps'])} GB/s ({fmt(device['read_qd1']['cpu_s_per_gb'])} CPU-s/GB), "
            f"QD16 {fmt(device['read_qd16']['gbps'])} GB/s ({fmt(device['read_qd16']['cpu_s_per_gb'])}), "
            f"write QD16 {fmt(device['write_qd16']['gbps'])} GB/s")
@@ -620,19 +670,19 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
         views = [memoryview(buf)[:chunk_bytes] for buf in contents]
         try:
             for latency in latencies_us:
-                lat_root = root / f"{latency}us"
+                lat_root = root / device_label(latency).replace(" ", "")
                 lat_root.mkdir()
                 runs = []
                 with bl.Teardown() as teardown:
-                    bl.log(f"latency {latency} us: two namespaces of {dev_size / GiB:.2f} GiB")
-                    namespaces = {side: Namespace(side, binary, lat_root, dev_size, latency,
-                                                  daemon_threads).start(teardown)
+                    bl.log(f"{device_label(latency)}: two namespaces of {dev_size / GiB:.2f} GiB")
+                    namespaces = {side: make_namespace(side, binary, lat_root, dev_size, latency,
+                                                       daemon_threads).start(teardown)
                                   for side in ("ext4", "kvfs")}
                     namespaces_info[str(latency)] = {side: ns.describe() for side, ns in namespaces.items()}
                     bl.log("loop devices: " + ", ".join(f"{side} {ns.loop} dio={ns.dio}"
                                                         for side, ns in namespaces.items()))
                     for rep in range(repeat):
-                        bl.log(f"latency {latency} us, repeat {rep + 1}/{repeat}")
+                        bl.log(f"{device_label(latency)}, repeat {rep + 1}/{repeat}")
                         expected = [None] * chunks
                         runs.append(run_repeat(rep, lat_root, namespaces, contents, views, expected,
                                                buffers, chunk_bytes, seed, kvfs_options, lmcache,
