@@ -144,18 +144,28 @@ class BypassLeases:
         """A sealed file's blocks as they lie on the device, under a new lease; None if the
         file is not exactly its stored blocks now (or too many leases are held)."""
         inode = None if ino & VIEW_BIT else self.tree.inodes.get(ino) or self.tree.orphans.get(ino)
-        if inode is None or not inode.is_file or not self._lease_ready(inode):
+        if inode is None or not inode.is_file:
             self.leases.refused()
             return None
-        size = inode.data.size
-        blocks = self.cache.stored_extents(inode.data)
-        if blocks is None:
-            self.leases.refused()
-            return None
-        blocks = blocks[:-(-size // self.block_size)]          # none past the end
-        granted = self.leases.grant(inode, blocks)
+        # The client asks by path, without an open (so the daemon does not also read
+        # the file for it): an idle file's live content is built for the grant and
+        # dropped again after (the lease pins the blocks themselves).
+        with self.idle.holding(inode):
+            if inode.data is None and inode.ino in self.tree.inodes:
+                self.idle.live_data(inode)
+            if not self._lease_ready(inode):
+                self.leases.refused()
+                return None
+            size = inode.data.size
+            blocks = self.cache.stored_extents(inode.data)
+            if blocks is None:
+                self.leases.refused()
+                return None
+            blocks = blocks[:-(-size // self.block_size)]          # none past the end
+            granted = self.leases.grant(inode, blocks)
         if granted is None:
             return None
+        self.evictor.accessed(inode)            # a bypass read is a read: eviction keeps it recent
         self._sweep_leases_soon()
         return LeaseGrant(granted[0], granted[1], inode.content_version, size, self.block_size, blocks)
 

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from kvfs.device import _readcore
-from kvfs.errors import AccessDenied, NoData, NotPermitted
+from kvfs.errors import AccessDenied, NotPermitted
 from kvfs.fuse.blockmaps import BLOCKMAP_XATTR, LEASE_END_PREFIX, BlockMaps, BypassDevice
 from kvfs.namespace import ROOT_INO
 from kvfs.namespace.leases import check_lease_seconds
@@ -96,20 +96,41 @@ async def test_no_lease_for_a_file_not_exactly_on_the_device(tmp_path):
     async with running(fs):
         ns = fs.ns
         ino = await write_file(ns, ROOT_INO, b"f", pattern(3, 2 * BS))
-        assert ns.lease_blocks(ino) is None                        # idle: no open, no live content
         fh, _, _ = ns.open(ino, os.O_RDWR)
         assert ns.lease_blocks(ino) is None                        # open for writing
         await ns.write(fh, 0, b"dirty")
         assert ns.lease_blocks(ino) is None
         await ns.release(fh)
         assert ns.lease_blocks(ROOT_INO) is None                   # not a file
-        assert ns.leases.statistics().leases_refused == 4
+        assert ns.leases.statistics().leases_refused == 3
         await ns.flush_all()
         fh, _, _ = ns.open(ino, os.O_RDONLY)
         grant = ns.lease_blocks(ino)
         assert grant is not None
         assert ns.end_leases([grant.lease_id]) == [True]
         await ns.release(fh)
+    close_and_check(fs)
+
+
+async def test_an_idle_file_is_leased_without_an_open_and_counts_as_read(tmp_path):
+    """The client asks by path (an O_PATH descriptor), so nothing opens the file: its live
+    content is built for the grant and dropped after, the lease alone pins its blocks, and
+    the grant is an access for eviction, as the open it replaces was."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path)
+    async with running(fs):
+        ns = fs.ns
+        old = await write_file(ns, ROOT_INO, b"old", pattern(4, 2 * BS))
+        new = await write_file(ns, ROOT_INO, b"new", pattern(5, 2 * BS))
+        assert ns.inode(old).data is None and ns.inode(new).data is None         # both idle
+        assert [i.ino for i in ns.evictor.choose(free_bytes=1)] == [old]           # the older goes first
+        grant = ns.lease_blocks(old)
+        assert grant is not None and grant.size == 2 * BS and len(grant.blocks) == 2
+        assert ns.inode(old).data is None                      # live content dropped again
+        assert all(e is not None and e.pins >= 1 for e in _entries(fs, grant))      # the lease's pins
+        assert b"".join(_device_bytes(fs, grant)) == pattern(4, 2 * BS)
+        assert [i.ino for i in ns.evictor.choose(free_bytes=1)] == [new]           # "old" was just read
+        assert ns.end_leases([grant.lease_id]) == [True]
     close_and_check(fs)
 
 
@@ -201,7 +222,7 @@ async def test_block_maps_go_to_root_and_to_the_group_for_its_own_files(tmp_path
         s = maps.statistics()
         assert (s.block_maps_served, s.block_maps_denied, s.bypass_bytes_mapped) == (2, 3, 2 * (BS + 9))
         await ns.release(fh)
-        with pytest.raises(NoData):
-            maps.answer(ino, BLOCKMAP_XATTR, _ctx(0))              # idle again: no live content
+        m = msgpack.unpackb(maps.answer(ino, BLOCKMAP_XATTR, _ctx(0)))   # idle again: no open needed
+        assert m["size"] == BS + 9 and maps.answer(ino, LEASE_END_PREFIX + b"%x" % m["lease"], _ctx(0)) == b"1"
         assert await read_all(ns, ino) == pattern(6, BS + 9)
     close_and_check(fs)
