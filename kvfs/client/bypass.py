@@ -371,11 +371,25 @@ def _plain_read_buffered(f: _File) -> int:
     flags = fcntl.fcntl(f.fd, fcntl.F_GETFL)
     if not flags & (os.O_DIRECT | os.O_PATH):
         return plain_read(f.fd, f.view, f.size, f.path)
-    fd = os.open(f"/proc/self/fd/{f.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    fd = reopen(f.fd, f.path)
     try:
         return plain_read(fd, f.view, f.size, f.path)
     finally:
         os.close(fd)
+
+
+def reopen(fd: int, path: PathLike) -> int:
+    """Open the file ``fd`` names (an O_PATH descriptor) for reading.
+
+    kvfs answers ESTALE for a file evicted since it was named (nothing held it open,
+    so eviction could take it); through /proc/self/fd the kernel cannot look the name
+    up again, so that is a file that is gone: FileNotFoundError, as for an unlink."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ESTALE:
+            raise FileNotFoundError(errno.ENOENT, "evicted during the read", os.fspath(path)) from None
+        raise
 
 
 def last_ways() -> list[bool]:
@@ -384,9 +398,9 @@ def last_ways() -> list[bool]:
 
 
 def bypass_open_file(fd: int, view: memoryview, size: int, path: PathLike) -> bool:
-    """Try to read the first ``size`` bytes of the file open at ``fd`` into ``view`` from the
-    device; False (nothing promised of ``view``) if the caller must read it through the mount
-    (kvfs.torch.load then reads it its own way)."""
+    """Try to read the first ``size`` bytes of the file ``fd`` names (an O_PATH descriptor
+    will do) into ``view`` from the device; False (nothing promised of ``view``) if the
+    caller must read it through the mount (kvfs.torch.load then reads it its own way)."""
     f = _File(path, view, fd, size)
     _bypass([f])
     if f.ok:
