@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .bypass import bypass_open_file
+from .bypass import bypass_open_file, reopen
 
 __all__ = ["load", "save", "key", "by_hash_path", "NotOnKvfsError"]
 
@@ -128,29 +128,39 @@ def load(path: PathLike, *, out: Optional[torch.Tensor] = None, pin_memory: bool
     verified (kvfs/client/bypass.py). Raises ValueError if sizes disagree, EOFError if the file
     shrinks while being read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    # Named with O_PATH first: an open would have kvfs read the file for this process
+    # too (prefetch, page fill), which the bypass does not need (kvfs/client/bypass.py).
+    named = os.open(path, os.O_PATH | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        size = os.fstat(named).st_size
         if out is None:
             out = _new_tensor(size, dtype, shape, pin_memory)
         else:
             _check_out(out, size, dtype, shape)
         view = _bytes_of(out)
-        if size and bypass_open_file(fd, view, size, path):
+        if size and bypass_open_file(named, view, size, path):
             return out          # read from the device and verified (kvfs/client/bypass.py)
-        pieces = _ranges(size)
-        if len(pieces) <= 1:
-            _pread_full(fd, view, 0, path)
-        else:
-            futures = [_executor().submit(_pread_full, fd, view[a:b], a, path)
-                       for a, b in pieces]
-            for f in futures:  # wait for all before closing fd; re-raise the first error
-                f.exception()
-            for f in futures:
-                f.result()
+        fd = reopen(named, path)        # the same file, for reads through the mount
+        try:
+            _read_through(fd, view, size, path)
+        finally:
+            os.close(fd)
         return out
     finally:
-        os.close(fd)
+        os.close(named)
+
+
+def _read_through(fd: int, view: memoryview, size: int, path: PathLike) -> None:
+    """Concurrent preads of the whole file into ``view``."""
+    pieces = _ranges(size)
+    if len(pieces) <= 1:
+        _pread_full(fd, view, 0, path)
+        return
+    futures = [_executor().submit(_pread_full, fd, view[a:b], a, path) for a, b in pieces]
+    for f in futures:  # wait for all before closing fd; re-raise the first error
+        f.exception()
+    for f in futures:
+        f.result()
 
 
 # -- save -------------------------------------------------------------------
