@@ -321,6 +321,7 @@ class Inode:
     provisional = _rare("provisional", False)      # created, no content record yet (see module doc)
     pre_truncate = _rare("pre_truncate", None)     # (old content, truncating fh): see namespace/truncation.py
     page_reads = _rare("page_reads", None)         # ReadsUnderPageWriters while page_writers: namespace/pagecache.py
+    fill_on_open = _rare("fill_on_open", False)    # made from the tier, never in the kernel's page cache: pagecache.py
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, rdev: int = 0, now: int = 0) -> None:
         self._rare = None

@@ -133,10 +133,13 @@ class KernelPages:
         until a writer's open, or a truncate, which the FUSE layer holds back until
         the fill is done. A warm reopen (nothing to fetch) fills nothing: the
         kernel most likely still holds the pages, and another copy would only cost.
+        A file made from the shared tier (``fill_on_open``) is warm here but was never
+        in the kernel, so its first opens fill until one fills it whole.
         """
         h = self.handle(fh)
         inode = h.inode
-        if (h.writable or h.view or h.o_direct or not h.cold_blocks or inode.writers or inode.page_writers
+        if (h.writable or h.view or h.o_direct or not (h.cold_blocks or inode.fill_on_open)
+                or inode.writers or inode.page_writers
                 or inode.pre_truncate is not None or inode.data.failed):
             return 0
         return min(inode.size, most)
@@ -191,6 +194,8 @@ class KernelPages:
         # makes one right after the open) gets the new one, and the kernel then
         # drops every page (auto_inval_data). The READs that follow are served
         # from the clean cache, so it keeps the blocks.
+        if size == inode.size:
+            inode.fill_on_open = False
         if size == inode.size and inode.cached_version == inode.content_version and \
                 inode.kernel_mtime == inode.mtime:
             inode.filled_version = inode.content_version

@@ -56,7 +56,7 @@ class TierPort(Protocol):
     """What the namespace may use of the shared tier (kvfs/tier/shared.py implements it;
     kvfs/server/stack.py wires it in as ``Namespace.tier``)."""
     def offer(self, read: Any) -> bool: ...        # never awaits; False: dropped (queue full)
-    def fetch(self, path: bytes) -> Awaitable[Optional[tuple]]: ...   # (content, mode) verified, or None
+    def fetch(self, path: bytes) -> Awaitable[Optional[tuple]]: ...   # ([block bytes, ...], mode) verified, or None
     miss_ttl: float                                 # seconds a miss may be cached (kernel too)
 
 

@@ -11,10 +11,14 @@ kvfs/server/stack.py; None without ``tier=``), and imports nothing of it.
   the name it has then; a file changed or removed by then is skipped.
 - **A lookup miss.** ``lookup_remote`` asks the tier for the path (within the
   tier's deadline; None is a miss). Verified content is written to a new file
-  under a hidden temporary name in the same directory, sealed through the normal
-  write path (which keys its blocks with this store's own keys), and renamed onto
-  the name without replacing: no reader ever sees it half written. Fetched files
-  are not published back.
+  under a hidden temporary name in the same directory, through the normal write
+  path (which keys its blocks with this store's own keys), and renamed onto the
+  name without replacing: no reader ever sees it half written. The rename does
+  not wait for the seal (the file stays provisional until then, so a crash drops
+  it, name and all). Fetched files are not published back. The first read-only
+  open then places the file in the kernel's page cache, as an open of a file cold
+  on the device does: its reader's read() copies from there instead of one READ
+  at a time through the event loop.
 """
 from __future__ import annotations
 
@@ -120,7 +124,7 @@ class TierLink:
         got = await self.tier.fetch(directory + b"/" + name)
         if got is None:
             raise NotFound()
-        content, mode = got
+        blocks, mode = got
         try:
             return self.lookup(parent, name)            # made here meanwhile
         except NotFound:
@@ -134,12 +138,18 @@ class TierLink:
         try:
             fh, _, _ = self.open(ino, os.O_WRONLY)
             try:
-                step = self.block_size * 8
-                for off in range(0, len(content), step):
-                    await self.write(fh, off, content[off:off + step])
+                off = 0
+                for block in blocks:                # as fetched: no join, no slices
+                    await self.write(fh, off, block)
+                    off += len(block)
             finally:
                 await self.release(fh)
-            await self.rename(parent, temp, parent, name, noreplace=True)
+            # Not sealed first, as an engine's rename is: the lookup would wait for the
+            # device write. A crash before the seal drops the provisional file, name and all.
+            await self._rename(parent, temp, parent, name, noreplace=True, seal_first=False)
+            # The kernel has never held a page of it: its first reader's open fills them
+            # (pagecache.py), as for a file read from the device.
+            self.tree.inodes[ino].fill_on_open = True
         except Exists:
             self._drop_temp(parent, temp, ino)
             return self.lookup(parent, name)

@@ -107,9 +107,12 @@ class SharedTier:
         self._queued.set()
         return True
 
-    async def fetch(self, path: bytes) -> Optional[tuple[bytes, int]]:
-        """(content, mode) of ``path`` from the tier, verified; None: a miss. Returns within
-        ``deadline`` (plus the hashing of what arrived), whatever the cluster does."""
+    async def fetch(self, path: bytes) -> Optional[tuple[list[bytes], int]]:
+        """(blocks, mode) of ``path`` from the tier, verified; None: a miss. The blocks are
+        the content in order, each ``block_size`` long but the last: the caller writes them
+        as they are, with no join (a 32 MiB join on the event loop took ~50 ms of it on
+        this machine). Returns within ``deadline`` (plus the hashing of what arrived),
+        whatever the cluster does."""
         st = self._stats
         st.tier_lookups += 1
         expiry = self._misses.get(path)
@@ -185,7 +188,7 @@ class SharedTier:
             st.tier_latency_ms_mean = round(self._latency_sum / self._latency_n, 3)
             st.tier_latency_ms_max = round(max(st.tier_latency_ms_max, ms), 3)
 
-    async def _fetch(self, path) -> Optional[tuple[bytes, int]]:
+    async def _fetch(self, path) -> Optional[tuple[list[bytes], int]]:
         st = self._stats
         if not self.backend.connected:
             return None
@@ -234,14 +237,11 @@ class SharedTier:
                 nursery.start_soon(one, i)
         if failed:
             return None
-        content = b"".join(blocks)
-        if len(content) != manifest.size:
-            st.tier_verify_failures += 1
-            return None
+        # Each block's length was checked against the manifest, which adds up to its size.
         st.tier_fetched_files += 1
         st.tier_fetched_blocks += len(blocks)
-        st.tier_fetched_bytes += len(content)
-        return content, manifest.mode
+        st.tier_fetched_bytes += manifest.size
+        return blocks, manifest.mode
 
     def _count_error(self, exc):
         if isinstance(exc, TierUnavailable):
