@@ -1,4 +1,6 @@
 """Shared-tier names and proofs (kvfs/tier/names.py) and the tier's mount options; no cluster."""
+import hashlib
+import hmac
 import os
 
 import pytest
@@ -36,6 +38,27 @@ def test_names_are_keyed_per_tenant_and_deterministic():
     assert a.manifest_name(b"/x/chunk") != a.manifest_name(b"/x/chunk2")
     assert len(a.block_name(data)) == 65 and a.block_name(data)[0] == "b"
     assert a.block_names(b"a" * 10 + b"b" * 10, 10) == [a.block_name(b"a" * 10), a.block_name(b"b" * 10)]
+
+
+def test_the_names_are_the_documented_macs():
+    """Format 2 (kvfs/tier/names.py): blocks are HMAC-SHA-256, manifest names keyed
+    BLAKE2b-256, each under a key derived from the secret with its own label."""
+    secret, data = b"k" * 32, os.urandom(5000)
+    names = TenantNames("t1", secret)
+
+    def derived(label):
+        return hashlib.blake2b(label, key=secret, digest_size=64).digest()
+    assert names.block_name(data) == "b" + hmac.new(derived(b"kvfs-tier block v2"), data, "sha256").hexdigest()
+    assert names.manifest_name(b"/p") == "m" + hashlib.blake2b(
+        b"/p", key=derived(b"kvfs-tier manifest-name v2"), digest_size=32).hexdigest()
+
+
+def test_a_manifest_of_another_format_is_refused():
+    names = TenantNames("t1", b"k" * 32)
+    m = Manifest(b"/d/f", 4, 4, (names.block_name(b"abcd"),), 0o644)
+    body = names.encode_manifest(m).rpartition(b"\n")[0].replace(b'"v":2', b'"v":1')
+    with pytest.raises(BadManifest, match="format 1, not 2"):
+        names.decode_manifest(body + b"\n" + names._mac(body).encode(), b"/d/f")
 
 
 def test_manifest_roundtrip_and_every_forgery_fails():

@@ -5,7 +5,7 @@ Publishing: the namespace offers a file once it is sealed and nobody writes it
 is full the offer is dropped and counted, so ``close()`` never waits for the tier
 and a burst of writes costs a fixed amount of memory (the queue holds paths and a
 reader, not bytes; ``publish_workers`` files are in RAM at once). A worker reads
-the file through the namespace, names its blocks (keyed BLAKE2b, in a worker
+the file through the namespace, names its blocks (HMAC-SHA-256, in a worker
 thread), creates each block object unless it exists (EEXIST: another host of the
 tenant published the same bytes, a dedup hit), then the manifest, write-once.
 
