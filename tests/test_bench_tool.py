@@ -120,7 +120,7 @@ def test_lmcache_without_workload_module_exits_2(tmp_path):
     assert "lmcache_workload.py is missing" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["write", "read", "compare", "lmcache", "softpath", "meta"])
+@pytest.mark.parametrize("command", ["write", "read", "compare", "lmcache", "softpath", "meta", "netdev", "tier"])
 def test_every_subcommand_has_help(command):
     assert "usage:" in bench(command, "--help").stdout
 

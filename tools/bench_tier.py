@@ -5,23 +5,27 @@ OSDs, in a network namespace) and two kvfs hosts, A and B, each a daemon and a s
 in a network namespace of its own. A writes N chunk files and publishes them; B,
 with an empty store, reads each chunk by name (cold: its lookup fetches and verifies
 the blocks from the tier), then reads them all again (local: 0 bytes from the tier,
-checked). In the same run ``rados bench`` writes 1 MiB objects and reads them back
-sequentially (the tier's objects are 1 MiB too), from the root namespace over the
-same bridge. Prints one JSON object; everything is torn down at the end.
+checked), with ``readers`` threads. Then ``rados bench`` writes 1 MiB objects and
+reads them back sequentially (the tier's objects are 1 MiB too), from the root
+namespace over the same bridge. That is one round; ``repeat`` rounds run on fresh
+names in the same cluster, and the figures are their medians, each speed with the
+whole machine's busy CPU-seconds per GB (/proc/stat) beside it. Prints one JSON
+object; everything is torn down at the end.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+import benchlib as bl  # noqa: E402  (tools/, beside this file)
 
 MiB = 1 << 20
 
@@ -41,89 +45,148 @@ def _rados_bench(cluster, seconds, threads):
     base = ["rados", "-c", str(cluster.conf), "-k", str(cluster.admin_keyring), "-p", "kvpool"]
     write = subprocess.run(base + ["bench", str(seconds), "write", "-b", "1M", "-t", str(threads), "--no-cleanup"],
                            capture_output=True, text=True, timeout=120)
+    cpu0 = bl.cpu_busy_seconds()
     seq = subprocess.run(base + ["bench", str(seconds), "seq", "-t", str(threads)],
                          capture_output=True, text=True, timeout=120)
+    seq_cpu = bl.cpu_busy_seconds() - cpu0
     subprocess.run(base + ["cleanup"], capture_output=True, text=True, timeout=120)
 
     def bandwidth(out):
         m = re.search(r"Bandwidth \(MB/sec\):\s+([\d.]+)", out)
         return float(m.group(1)) * 1e6 / 1e9 if m else None      # rados prints MiB-based "MB"/s
+    reads = re.search(r"Total reads made:\s+(\d+)", seq.stdout)
     out = {"write_gb_s": bandwidth(write.stdout), "seq_read_gb_s": bandwidth(seq.stdout),
-           "object_bytes": MiB, "threads": threads, "seconds": seconds}
+           # The whole machine over the seq run (its start and end included): OSDs and client.
+           "seq_read_cpu_s_per_gb": (round(bl.cpu_s_per_gb(seq_cpu, int(reads.group(1)) * MiB), 3)
+                                     if reads else None)}
     for name, proc in (("write", write), ("seq", seq)):
         if bandwidth(proc.stdout) is None:
             out[f"{name}_error"] = (proc.stderr.strip() or proc.stdout.strip())[-300:]
     return out
 
 
-def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rados_threads=16, keep=False):
+def _read_all(paths, readers):
+    """Read every file whole, ``readers`` threads each taking the next path; the bytes in
+    order, and each open's seconds (the open is where a cross-host lookup fetches)."""
+    got, opens = [None] * len(paths), [None] * len(paths)
+    todo = iter(range(len(paths)))
+    lock = threading.Lock()
+
+    def reader():
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            t0 = time.monotonic()
+            with open(paths[i], "rb") as f:
+                opens[i] = time.monotonic() - t0
+                got[i] = f.read()
+    threads = [threading.Thread(target=reader) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got, opens
+
+
+def _round(a, b, n, chunks, chunk_bytes, readers):
+    """One round on fresh names: A writes and publishes, B reads cold, then again locally."""
+    datas = [os.urandom(chunk_bytes) for _ in range(chunks)]
+    names = [f"round{n}-chunk-{i:04d}.bin" for i in range(chunks)]
+    published = a.stats()["tier_published_files"]
+    t0 = time.monotonic()
+    for name, data in zip(names, datas):
+        with open(a.mnt / name, "wb") as f:
+            f.write(data)
+    write_s = time.monotonic() - t0
+    while a.stats()["tier_published_files"] < published + chunks:
+        if time.monotonic() - t0 > 300:
+            raise RuntimeError(f"A published {a.stats()['tier_published_files'] - published} of {chunks} in 300 s")
+        time.sleep(0.02)
+    publish_s = time.monotonic() - t0
+    log(f"round {n}: A wrote {chunks} x {chunk_bytes / MiB:g} MiB in {write_s:.2f} s, "
+        f"all published after {publish_s:.2f} s")
+    _drop_caches(b)
+    before = b.stats()
+    cpu0, t0 = bl.cpu_busy_seconds(), time.monotonic()
+    got, opens = _read_all([b.mnt / name for name in names], readers)
+    cold_s, cold_cpu = time.monotonic() - t0, bl.cpu_busy_seconds() - cpu0
+    # Compared once the clock has stopped (hashing both sides in the loop cost ~90 ms a chunk).
+    for i, data in enumerate(datas):
+        if got[i] != data:
+            raise RuntimeError(f"{names[i]} read on B differs from what A wrote")
+    del got
+    cold = b.stats()
+    if cold["tier_hits"] - before["tier_hits"] != chunks:
+        raise RuntimeError(f"B found {cold['tier_hits'] - before['tier_hits']} of {chunks} chunks in the tier")
+    _drop_caches(b)
+    cpu0, t0 = bl.cpu_busy_seconds(), time.monotonic()
+    _read_all([b.mnt / name for name in names], readers)
+    local_s, local_cpu = time.monotonic() - t0, bl.cpu_busy_seconds() - cpu0
+    after = b.stats()
+    total = chunks * chunk_bytes
+    opens.sort()
+    return {
+        "write_on_a_s": round(write_s, 3), "published_on_a_after_s": round(publish_s, 3),
+        "cold_gb_s": round(total / cold_s / 1e9, 3), "cold_cpu_s_per_gb": round(bl.cpu_s_per_gb(cold_cpu, total), 3),
+        "open_ms_median": round(opens[len(opens) // 2] * 1000, 1), "open_ms_max": round(opens[-1] * 1000, 1),
+        "second_read_gb_s": round(total / local_s / 1e9, 3),
+        "second_read_cpu_s_per_gb": round(bl.cpu_s_per_gb(local_cpu, total), 3),
+        "second_read_bytes_from_tier": after["tier_fetched_bytes"] - cold["tier_fetched_bytes"],
+        "fetched_bytes": cold["tier_fetched_bytes"] - before["tier_fetched_bytes"],
+        "verify_failures": after["tier_verify_failures"] - before["tier_verify_failures"],
+    }
+
+
+def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rados_threads=16, keep=False,
+        repeat=3, readers=1):
     from ceph_cluster import CephCluster, make_host, tenant_key, tier_options
     scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-tier-", dir=workdir))
-    memstore = max(2048, (chunks * chunk_bytes * 2) // MiB + 1024)
+    memstore = max(2048, (repeat * chunks * chunk_bytes * 2) // MiB + 1024)
     cluster = CephCluster(memstore_mib=memstore)
     hosts = []
     try:
         cluster.start()
         log(f"cluster up in {cluster.started_s:.1f} s")
         key = tenant_key(scratch, "bench")
+        store = max(4 << 30, repeat * chunks * chunk_bytes * 2)
         for name in ("a", "b"):
             ns = cluster.add_host(name)[0]
-            host = make_host(scratch / name, ns, tier_options(cluster, "bench", key), size="4G")
+            host = make_host(scratch / name, ns, tier_options(cluster, "bench", key), size=str(store))
             host.mount()
             hosts.append(host)
         a, b = hosts
-        datas = [os.urandom(chunk_bytes) for _ in range(chunks)]
-        t0 = time.monotonic()
-        for i, data in enumerate(datas):
-            with open(a.mnt / f"chunk-{i:04d}.bin", "wb") as f:
-                f.write(data)
-        write_s = time.monotonic() - t0
-        while a.stats()["tier_published_files"] < chunks:
-            if time.monotonic() - t0 > 300:
-                raise RuntimeError(f"A published {a.stats()['tier_published_files']} of {chunks} in 300 s")
-            time.sleep(0.05)
-        publish_s = time.monotonic() - t0
-        log(f"A wrote {chunks} x {chunk_bytes // MiB} MiB in {write_s:.2f} s, all published after {publish_s:.2f} s")
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        opens, t0 = [], time.monotonic()
-        for i, data in enumerate(datas):
-            t1 = time.monotonic()
-            with open(b.mnt / f"chunk-{i:04d}.bin", "rb") as f:
-                opens.append(time.monotonic() - t1)
-                got = f.read()
-            if hashlib.blake2b(got).digest() != hashlib.blake2b(data).digest():
-                raise RuntimeError(f"chunk {i} read on B differs from what A wrote")
-        cold_s = time.monotonic() - t0
-        fetched = b.stats()["tier_fetched_bytes"]
-        _drop_caches(b)
-        t0 = time.monotonic()
-        for i in range(chunks):
-            with open(b.mnt / f"chunk-{i:04d}.bin", "rb") as f:
-                f.read()
-        local_s = time.monotonic() - t0
-        s = b.stats()
-        if s["tier_fetched_bytes"] != fetched:
-            raise RuntimeError("the second read on B fetched from the tier")
-        log("rados bench ...")
-        rados = _rados_bench(cluster, rados_seconds, rados_threads)
-        total = chunks * chunk_bytes
-        cold = total / cold_s / 1e9
+        rounds = []
+        for n in range(repeat):
+            one = _round(a, b, n, chunks, chunk_bytes, readers)
+            log(f"round {n}: rados bench ...")
+            one["rados_bench"] = _rados_bench(cluster, rados_seconds, rados_threads)
+            seq = one["rados_bench"]["seq_read_gb_s"]
+            one["cold_vs_rados_seq"] = round(one["cold_gb_s"] / seq, 3) if seq else None
+            log(f"round {n}: cold {one['cold_gb_s']} GB/s, rados seq {seq} GB/s")
+            rounds.append(one)
+        if any(r["second_read_bytes_from_tier"] for r in rounds):
+            raise RuntimeError("a second read on B fetched from the tier")
+
+        def med(key, sub=None):
+            return bl.median([(r[sub] if sub else r)[key] for r in rounds])
         out = {
-            "chunks": chunks, "chunk_bytes": chunk_bytes, "cluster_start_s": round(cluster.started_s, 2),
-            "write_on_a_s": round(write_s, 3), "published_on_a_after_s": round(publish_s, 3),
-            "cross_host_cold_read_gb_s": round(cold, 3),
-            "cross_host_open_ms": {"first": round(opens[0] * 1000, 1),
-                                   "median": round(sorted(opens)[len(opens) // 2] * 1000, 1),
-                                   "max": round(max(opens) * 1000, 1)},
-            "second_read_on_b_gb_s": round(total / local_s / 1e9, 3),
-            "second_read_bytes_from_tier": s["tier_fetched_bytes"] - fetched,
-            "tier_on_b": {k: s[k] for k in ("tier_hits", "tier_misses", "tier_fetched_bytes",
-                                            "tier_verify_failures", "tier_latency_ms_mean", "tier_latency_ms_max")},
-            "rados_bench": rados,
-            "cold_vs_rados_seq": round(cold / rados["seq_read_gb_s"], 3) if rados["seq_read_gb_s"] else None,
+            "chunks": chunks, "chunk_bytes": chunk_bytes, "readers": readers, "repeat": repeat,
+            "cluster_start_s": round(cluster.started_s, 2),
+            "cross_host_cold_read_gb_s": med("cold_gb_s"),
+            "cross_host_cold_read_cpu_s_per_gb": med("cold_cpu_s_per_gb"),
+            "cross_host_open_ms_median": med("open_ms_median"),
+            "second_read_on_b_gb_s": med("second_read_gb_s"),
+            "second_read_on_b_cpu_s_per_gb": med("second_read_cpu_s_per_gb"),
+            "second_read_bytes_from_tier": sum(r["second_read_bytes_from_tier"] for r in rounds),
+            "published_on_a_after_s": med("published_on_a_after_s"),
+            "rados_bench_seq_read_gb_s": med("seq_read_gb_s", "rados_bench"),
+            "rados_bench_seq_read_cpu_s_per_gb": med("seq_read_cpu_s_per_gb", "rados_bench"),
+            "rados_bench": {"object_bytes": MiB, "threads": rados_threads, "seconds": rados_seconds},
+            "cold_vs_rados_seq": med("cold_vs_rados_seq"),
             "goal_cold_vs_rados_seq": 0.5,
+            "rounds": rounds,
         }
         return out, 0
     finally:
