@@ -280,21 +280,12 @@ class Namespace(TierLink, Durability, KernelPages, BypassLeases):
         Engines publish a chunk by writing a temp file and renaming it over the
         final name. If the rename became durable before the temp file's content
         record, a crash would leave the final name empty (ext4's auto_da_alloc
-        exists for the same reason).
+        exists for the same reason). Not so for a provisional file put on a free
+        name (``noreplace``): load drops it, name and all (the tier's fetch, remote.py).
         """
-        await self._rename(old_parent, old_name, new_parent, new_name, noreplace=noreplace, seal_first=True)
-
-    async def _rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, *,
-                      noreplace: bool, seal_first: bool) -> None:
-        """``seal_first=False``: only for a provisional file put onto a free name with
-        ``noreplace`` (a tier fetch, namespace/remote.py). Load drops a file still
-        provisional, name and all, so a crash before its seal leaves the name absent,
-        as it was, never empty; and the lookup waiting on it does not wait for the device."""
         self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
         inode = self.tree.inodes[self.tree.dir(old_parent).entries.get(old_name)]
-        if not seal_first and not (noreplace and inode.provisional):
-            raise ValueError("only a provisional file renamed without replacing may skip its seal")
-        if seal_first and inode.is_file and inode.content_dirty and not inode.writers:
+        if inode.is_file and inode.content_dirty and not inode.writers and not (noreplace and inode.provisional):
             await self.seal(inode)
             self._check_rename(old_parent, old_name, new_parent, new_name, noreplace)
         target = self.tree.dir(new_parent).entries.get(new_name)
@@ -372,8 +363,7 @@ class Namespace(TierLink, Durability, KernelPages, BypassLeases):
 
         ``privileged``: the caller may keep set-ID bits when it writes (CAP_FSETID).
         """
-        inode = self.inode(ino)
-        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        inode, writable = self.inode(ino), (flags & os.O_ACCMODE) != os.O_RDONLY
         if inode.is_dir:
             raise IsADirectory()
         if not inode.is_file:

@@ -144,9 +144,9 @@ class TierLink:
                     off += len(block)
             finally:
                 await self.release(fh)
-            # Not sealed first, as an engine's rename is: the lookup would wait for the
-            # device write. A crash before the seal drops the provisional file, name and all.
-            await self._rename(parent, temp, parent, name, noreplace=True, seal_first=False)
+            # Provisional, onto a free name: the rename does not wait for the seal (the
+            # device write), and a crash before the seal drops the file, name and all.
+            await self.rename(parent, temp, parent, name, noreplace=True)
             # The kernel has never held a page of it: its first reader's open fills them
             # (pagecache.py), as for a file read from the device.
             self.tree.inodes[ino].fill_on_open = True
