@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import kvfs.client
 from ceph_cluster import ceph, make_host, tenant_key, tier_options  # noqa: F401
 
 
@@ -78,6 +79,30 @@ def test_a_chunk_closed_on_one_host_is_read_on_another(ceph, hosts, tmp_path):
     sa = a.stats()
     assert sa["tier_published_files"] == 1 and sa["tier_published_bytes"] == len(data)
     assert os.listdir(b.mnt / "model") == ["chunk-0001.bin"]     # no temporary name left behind
+
+
+def test_the_bypass_client_reads_a_fetched_chunk_from_hosts_device(ceph, hosts, tmp_path):
+    """kvfs.client (the reads of the LMCache plugin and the SGLang backend) on a name B
+    lacks: its lookup fetches the chunk from the tier, the block map waits for the seal,
+    and the client reads B's device itself, not a byte through FUSE."""
+    key = tenant_key(tmp_path, "t1")
+    a = hosts("hba", "t1", key)
+    b = hosts("hbb", "t1", key)
+    data = os.urandom((8 << 20) + 4097)
+    write_chunk(a.mnt / "c.bin", data)
+    deadline = time.monotonic() + 60
+    while a.stats()["tier_published_files"] < 1:
+        assert time.monotonic() < deadline, "A did not publish in 60 s"
+        time.sleep(0.02)
+    before = b.stats()
+    buf = bytearray(len(data))
+    assert kvfs.client.read_into(b.mnt / "c.bin", buf) == len(data)
+    assert buf == data
+    s = b.stats()
+    assert s["tier_hits"] == before["tier_hits"] + 1 and s["tier_fetched_bytes"] == len(data)
+    assert s["block_maps_served"] == before["block_maps_served"] + 1
+    assert s["block_maps_unavailable"] == before["block_maps_unavailable"]
+    assert s["kernel_read_requests"] == before["kernel_read_requests"]
 
 
 def test_views_and_metrics_show_the_tier(ceph, hosts, tmp_path):

@@ -85,7 +85,7 @@ class BlockMaps:
             return True
         return self.group is not None and (ctx.gid == self.group or self.group in groups_of(ctx.pid))
 
-    def answer(self, ino: int, name: bytes, ctx: RequestContext) -> bytes:
+    async def answer(self, ino: int, name: bytes, ctx: RequestContext) -> bytes:
         if not self.may_bypass(ctx):
             self._s["denied"] += 1
             raise NotPermitted("block maps are for root and the mount's bypass_group")
@@ -94,7 +94,7 @@ class BlockMaps:
         if ctx.uid != 0 and self.ns.inode(ino).uid != ctx.uid:
             self._s["denied"] += 1
             raise AccessDenied("a block map is given to root and the file's owner only")
-        grant = self.ns.lease_blocks(ino)
+        grant = await self.ns.lease_blocks(ino)
         if grant is None:
             self._s["unavailable"] += 1
             raise NoData("the file is not on the device as it is now")

@@ -426,7 +426,7 @@ class KvfsOperations(pyfuse3.Operations):
             # Kept, not popped: the kernel may ask twice (first with a buffer too small).
             return self._results[ctx.pid]
         if self.block_maps is not None and self.block_maps.handles(name):
-            return self.block_maps.answer(inode, name, ctx)
+            return await self.block_maps.answer(inode, name, ctx)
         if name == KEY_XATTR:
             key = await self.ns.content_key(inode)      # the key names sealed content only
             if key is not None:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import trio
 
 from ..blockcache.port import CachePort
+from ..errors import KvfsError
 from .inodes import VIEW_BIT, Inode
 from .port import LeaseGrant
 
@@ -140,13 +141,22 @@ class BypassLeases:
 
     leases: LeaseTable
 
-    def lease_blocks(self, ino: int) -> LeaseGrant | None:
+    async def lease_blocks(self, ino: int) -> LeaseGrant | None:
         """A sealed file's blocks as they lie on the device, under a new lease; None if the
-        file is not exactly its stored blocks now (or too many leases are held)."""
+        file is not exactly its stored blocks now (or too many leases are held).
+
+        A file closed but not sealed yet (just written, or just fetched from the shared
+        tier by the lookup that named it) is sealed first, as ``user.kvfs.key`` does:
+        the client then reads the device instead of falling back to the mount."""
         inode = None if ino & VIEW_BIT else self.tree.inodes.get(ino) or self.tree.orphans.get(ino)
         if inode is None or not inode.is_file:
             self.leases.refused()
             return None
+        if inode.content_dirty and not (inode.writers or inode.page_writers) and ino in self.tree.inodes:
+            try:
+                await self.seal(inode)
+            except KvfsError:
+                pass                            # logged by the seal; not ready below: refused
         # The client asks by path, without an open (so the daemon does not also read
         # the file for it): an idle file's live content is built for the grant and
         # dropped again after (the lease pins the blocks themselves).

@@ -108,7 +108,7 @@ class NamespacePort(Protocol):
 
     # Readers that read the device themselves (kvfs.client): a sealed file's blocks under a
     # lease, and the lease's end, which says per lease whether the file is unchanged since.
-    def lease_blocks(self, ino: int) -> Optional[LeaseGrant]: ...
+    def lease_blocks(self, ino: int) -> Awaitable[Optional[LeaseGrant]]: ...   # seals a closed file first
     def end_leases(self, ids: Sequence[int]) -> list[bool]: ...
 
     # The by-hash view.

@@ -19,7 +19,7 @@ from kvfs.fuse.blockmaps import BLOCKMAP_XATTR, LEASE_END_PREFIX, BlockMaps, Byp
 from kvfs.namespace import ROOT_INO
 from kvfs.namespace.leases import check_lease_seconds
 
-from .helpers import BS, close_and_check, mkfs, open_fs, pattern, read_all, running, write_file
+from .helpers import BS, close_and_check, mkfs, open_fs, pattern, read_all, running, slow_writes, write_file
 
 
 def _entries(fs, grant):
@@ -52,7 +52,7 @@ async def test_a_lease_keeps_its_blocks_until_it_ends_and_its_end_tells_a_change
         ns = fs.ns
         ino = await write_file(ns, ROOT_INO, b"f", old)
         fh, _, _ = ns.open(ino, os.O_RDONLY)
-        grant = ns.lease_blocks(ino)
+        grant = await ns.lease_blocks(ino)
         assert grant is not None and grant.size == len(old) and len(grant.blocks) == 4
         assert all(e is not None and e.pins >= 2 for e in _entries(fs, grant))    # the open's and the lease's
         await ns.release(fh)
@@ -97,18 +97,37 @@ async def test_no_lease_for_a_file_not_exactly_on_the_device(tmp_path):
         ns = fs.ns
         ino = await write_file(ns, ROOT_INO, b"f", pattern(3, 2 * BS))
         fh, _, _ = ns.open(ino, os.O_RDWR)
-        assert ns.lease_blocks(ino) is None                        # open for writing
+        assert await ns.lease_blocks(ino) is None                        # open for writing
         await ns.write(fh, 0, b"dirty")
-        assert ns.lease_blocks(ino) is None
+        assert await ns.lease_blocks(ino) is None
         await ns.release(fh)
-        assert ns.lease_blocks(ROOT_INO) is None                   # not a file
+        assert await ns.lease_blocks(ROOT_INO) is None                   # not a file
         assert ns.leases.statistics().leases_refused == 3
         await ns.flush_all()
         fh, _, _ = ns.open(ino, os.O_RDONLY)
-        grant = ns.lease_blocks(ino)
+        grant = await ns.lease_blocks(ino)
         assert grant is not None
         assert ns.end_leases([grant.lease_id]) == [True]
         await ns.release(fh)
+    close_and_check(fs)
+
+
+async def test_a_closed_file_not_sealed_yet_is_sealed_for_its_lease(tmp_path):
+    """A file just closed (or just fetched from the shared tier) has its seal still to
+    come: the lease waits for it instead of sending the client back to the mount."""
+    path = mkfs(tmp_path)
+    fs = open_fs(path, faults=slow_writes(0.05))
+    async with running(fs):
+        ns = fs.ns
+        data = pattern(4, 3 * BS + 7)
+        ino = await write_file(ns, ROOT_INO, b"f", data, sync=False)
+        assert ns.inode(ino).content_dirty                          # closed, its seal pending
+        grant = await ns.lease_blocks(ino)
+        assert grant is not None and not ns.inode(ino).content_dirty
+        assert b"".join(_device_bytes(fs, grant))[:len(data)] == data
+        assert ns.end_leases([grant.lease_id]) == [True]
+        assert ns.leases.statistics().leases_refused == 0
+        ns.forget(ino, 1)
     close_and_check(fs)
 
 
@@ -124,7 +143,7 @@ async def test_an_idle_file_is_leased_without_an_open_and_counts_as_read(tmp_pat
         new = await write_file(ns, ROOT_INO, b"new", pattern(5, 2 * BS))
         assert ns.inode(old).data is None and ns.inode(new).data is None         # both idle
         assert [i.ino for i in ns.evictor.choose(free_bytes=1)] == [old]           # the older goes first
-        grant = ns.lease_blocks(old)
+        grant = await ns.lease_blocks(old)
         assert grant is not None and grant.size == 2 * BS and len(grant.blocks) == 2
         assert ns.inode(old).data is None                      # live content dropped again
         assert all(e is not None and e.pins >= 1 for e in _entries(fs, grant))      # the lease's pins
@@ -144,9 +163,9 @@ async def test_leases_end_by_time(tmp_path):
         ns.leases.seconds = 5.0
         ino = await write_file(ns, ROOT_INO, b"f", pattern(4, 2 * BS))
         fh, _, _ = ns.open(ino, os.O_RDONLY)
-        first = ns.lease_blocks(ino)
+        first = await ns.lease_blocks(ino)
         now[0] += 3
-        second = ns.lease_blocks(ino)
+        second = await ns.lease_blocks(ino)
         await ns.release(fh)
         ns.unlink(ROOT_INO, b"f", directory=False)
         ns.forget(ino, 1)
@@ -173,7 +192,7 @@ async def test_the_namespace_ends_expired_leases_itself(tmp_path):
         ns.leases.seconds = 0.2
         ino = await write_file(ns, ROOT_INO, b"f", pattern(5, BS))
         fh, _, _ = ns.open(ino, os.O_RDONLY)
-        assert ns.lease_blocks(ino) is not None
+        assert await ns.lease_blocks(ino) is not None
         await ns.release(fh)
         with trio.fail_after(60):        # a bound, not a timing: it ends 0.2 s after the grant
             while ns.leases.statistics().leases_held:
@@ -208,21 +227,21 @@ async def test_block_maps_go_to_root_and_to_the_group_for_its_own_files(tmp_path
         await ns.release(fh)
         fh, _, _ = ns.open(ino, os.O_RDONLY)
         with pytest.raises(NotPermitted):
-            maps.answer(ino, BLOCKMAP_XATTR, _ctx(1000))           # not in the group
+            await maps.answer(ino, BLOCKMAP_XATTR, _ctx(1000))           # not in the group
         with pytest.raises(AccessDenied):
-            maps.answer(ino, BLOCKMAP_XATTR, _ctx(1001, 4242))     # in the group, not the owner
+            await maps.answer(ino, BLOCKMAP_XATTR, _ctx(1001, 4242))     # in the group, not the owner
         for ctx in (_ctx(0), _ctx(1000, 4242)):
-            m = msgpack.unpackb(maps.answer(ino, BLOCKMAP_XATTR, ctx))
+            m = msgpack.unpackb(await maps.answer(ino, BLOCKMAP_XATTR, ctx))
             assert m["size"] == BS + 9 and m["device"] == fs.device.path and m["secret"] == fs.store.key_secret
             assert [b[2] for b in m["blocks"]] == [k for k in ns.inode(ino).data.blocks]
-            ended = maps.answer(ino, LEASE_END_PREFIX + b"%x.%x" % (m["lease"], m["lease"]), ctx)
+            ended = await maps.answer(ino, LEASE_END_PREFIX + b"%x.%x" % (m["lease"], m["lease"]), ctx)
             assert ended == b"10"
         with pytest.raises(NotPermitted):
-            maps.answer(ino, LEASE_END_PREFIX + b"1", _ctx(1000))
+            await maps.answer(ino, LEASE_END_PREFIX + b"1", _ctx(1000))
         s = maps.statistics()
         assert (s.block_maps_served, s.block_maps_denied, s.bypass_bytes_mapped) == (2, 3, 2 * (BS + 9))
         await ns.release(fh)
-        m = msgpack.unpackb(maps.answer(ino, BLOCKMAP_XATTR, _ctx(0)))   # idle again: no open needed
-        assert m["size"] == BS + 9 and maps.answer(ino, LEASE_END_PREFIX + b"%x" % m["lease"], _ctx(0)) == b"1"
+        m = msgpack.unpackb(await maps.answer(ino, BLOCKMAP_XATTR, _ctx(0)))   # idle again: no open needed
+        assert m["size"] == BS + 9 and await maps.answer(ino, LEASE_END_PREFIX + b"%x" % m["lease"], _ctx(0)) == b"1"
         assert await read_all(ns, ino) == pattern(6, BS + 9)
     close_and_check(fs)
