@@ -32,25 +32,33 @@ def cluster_owners():
     return pids
 
 
-def test_tier_bench_reports_every_figure_and_tears_down(tmp_path):
+@pytest.mark.parametrize("client", [False, True], ids=["plain-reads", "bypass-client"])
+def test_tier_bench_reports_every_figure_and_tears_down(tmp_path, client):
     if os.geteuid() != 0 or missing_packages():
         pytest.fail("needs root and the Ceph packages (tools/setup --test installs them)")
     workdir = tmp_path / "work"
     workdir.mkdir()
+    rounds, readers = (1, 1) if client else (2, 2)
     proc = subprocess.Popen([sys.executable, str(BENCH), "tier", "--chunks", "3", "--chunk-mib", "2.5",
-                             "--repeat", "2", "--readers", "2", "--rados-seconds", "1", "--workdir", str(workdir)],
+                             "--repeat", str(rounds), "--readers", str(readers), "--rados-seconds", "1",
+                             "--workdir", str(workdir), *(["--client"] if client else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     out = json.loads(stdout)
-    assert (out["chunks"], out["readers"], out["repeat"]) == (3, 2, 2) and len(out["rounds"]) == 2
+    assert (out["chunks"], out["readers"], out["repeat"]) == (3, readers, rounds) and len(out["rounds"]) == rounds
     size = int(2.5 * (1 << 20))
     for r in out["rounds"]:
         assert r["fetched_bytes"] == 3 * size           # every chunk came from the tier, whole
         assert r["second_read_bytes_from_tier"] == 0 and r["verify_failures"] == 0
-        for key in ("cold_gb_s", "cold_cpu_s_per_gb", "second_read_gb_s", "second_read_cpu_s_per_gb",
-                    "open_ms_median"):
+        if client:                                      # both reads from B's device, none through FUSE
+            assert r["block_maps_served"] == 2 * 3 and r["fuse_read_requests"] == 0 and r["page_fill_bytes"] == 0
+        else:                                           # through FUSE: the opens fill the page cache
+            assert r["block_maps_served"] == 0 and r["page_fill_bytes"] > 0
+        for key in ("cold_gb_s", "second_read_gb_s", "open_ms_median"):
             assert r[key] > 0, key
+        for key in ("cold_cpu_s_per_gb", "second_read_cpu_s_per_gb"):     # /proc/stat ticks: 0 when quick
+            assert r[key] >= 0, key
         assert r["rados_bench"]["seq_read_gb_s"] > 0 and r["rados_bench"]["seq_read_cpu_s_per_gb"] > 0
         assert r["cold_vs_rados_seq"] == round(r["cold_gb_s"] / r["rados_bench"]["seq_read_gb_s"], 3)
     assert out["cross_host_cold_read_gb_s"] == statistics.median(r["cold_gb_s"] for r in out["rounds"])

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 import benchlib as bl  # noqa: E402  (tools/, beside this file)
+import kvfs.client  # noqa: E402
 
 MiB = 1 << 20
 
@@ -77,9 +78,11 @@ def _buffers(chunks, chunk_bytes):
     return out
 
 
-def _read_all(paths, buffers, readers):
+def _read_all(paths, buffers, readers, client=False):
     """Read every file whole into its buffer, ``readers`` threads each taking the next
-    path; each open's seconds (the open is where a cross-host lookup fetches)."""
+    path; each open's seconds (the open is where a cross-host lookup fetches).
+    ``client``: with kvfs.client.read_into (the engine plugins' reads) instead, timed
+    whole (its open is inside)."""
     opens = [None] * len(paths)
     todo = iter(range(len(paths)))
     lock = threading.Lock()
@@ -91,6 +94,11 @@ def _read_all(paths, buffers, readers):
             if i is None:
                 return
             t0 = time.monotonic()
+            if client:
+                if kvfs.client.read_into(paths[i], buffers[i]) != len(buffers[i]):
+                    raise RuntimeError(f"{paths[i]}: not {len(buffers[i])} bytes")
+                opens[i] = time.monotonic() - t0
+                continue
             with open(paths[i], "rb", buffering=0) as f:
                 opens[i] = time.monotonic() - t0
                 view, done = memoryview(buffers[i]), 0
@@ -107,7 +115,7 @@ def _read_all(paths, buffers, readers):
     return opens
 
 
-def _round(a, b, n, chunks, chunk_bytes, readers):
+def _round(a, b, n, chunks, chunk_bytes, readers, client):
     """One round on fresh names: A writes and publishes, B reads cold, then again locally."""
     datas = [os.urandom(chunk_bytes) for _ in range(chunks)]
     names = [f"round{n}-chunk-{i:04d}.bin" for i in range(chunks)]
@@ -128,7 +136,7 @@ def _round(a, b, n, chunks, chunk_bytes, readers):
     _drop_caches(b)
     before = b.stats()
     cpu0, t0 = bl.cpu_busy_seconds(), time.monotonic()
-    opens = _read_all([b.mnt / name for name in names], buffers, readers)
+    opens = _read_all([b.mnt / name for name in names], buffers, readers, client)
     cold_s, cold_cpu = time.monotonic() - t0, bl.cpu_busy_seconds() - cpu0
     # Compared once the clock has stopped (hashing both sides in the loop cost ~90 ms a chunk).
     for i, data in enumerate(datas):
@@ -139,7 +147,7 @@ def _round(a, b, n, chunks, chunk_bytes, readers):
         raise RuntimeError(f"B found {cold['tier_hits'] - before['tier_hits']} of {chunks} chunks in the tier")
     _drop_caches(b)
     cpu0, t0 = bl.cpu_busy_seconds(), time.monotonic()
-    _read_all([b.mnt / name for name in names], buffers, readers)
+    _read_all([b.mnt / name for name in names], buffers, readers, client)
     local_s, local_cpu = time.monotonic() - t0, bl.cpu_busy_seconds() - cpu0
     for i, data in enumerate(datas):
         if buffers[i] != data:
@@ -156,11 +164,17 @@ def _round(a, b, n, chunks, chunk_bytes, readers):
         "second_read_bytes_from_tier": after["tier_fetched_bytes"] - cold["tier_fetched_bytes"],
         "fetched_bytes": cold["tier_fetched_bytes"] - before["tier_fetched_bytes"],
         "verify_failures": after["tier_verify_failures"] - before["tier_verify_failures"],
+        # Both reads: how many chunks the client read from B's device itself, the READ
+        # requests that carried bytes through FUSE, and the bytes B's opens placed in
+        # the kernel's page cache (plain reads then send no READ at all).
+        "block_maps_served": after["block_maps_served"] - before["block_maps_served"],
+        "fuse_read_requests": after["kernel_read_requests"] - before["kernel_read_requests"],
+        "page_fill_bytes": after["page_fill_bytes"] - before["page_fill_bytes"],
     }
 
 
 def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rados_threads=16, keep=False,
-        repeat=3, readers=1):
+        repeat=3, readers=1, client=False):
     from ceph_cluster import CephCluster, make_host, tenant_key, tier_options
     scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-tier-", dir=workdir))
     memstore = max(2048, (repeat * chunks * chunk_bytes * 2) // MiB + 1024)
@@ -179,7 +193,7 @@ def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rado
         a, b = hosts
         rounds = []
         for n in range(repeat):
-            one = _round(a, b, n, chunks, chunk_bytes, readers)
+            one = _round(a, b, n, chunks, chunk_bytes, readers, client)
             log(f"round {n}: rados bench ...")
             one["rados_bench"] = _rados_bench(cluster, rados_seconds, rados_threads)
             seq = one["rados_bench"]["seq_read_gb_s"]
@@ -193,6 +207,7 @@ def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rado
             return bl.median([(r[sub] if sub else r)[key] for r in rounds])
         out = {
             "chunks": chunks, "chunk_bytes": chunk_bytes, "readers": readers, "repeat": repeat,
+            "reader": "kvfs.client.read_into" if client else "open + readinto",
             "cluster_start_s": round(cluster.started_s, 2),
             "cross_host_cold_read_gb_s": med("cold_gb_s"),
             "cross_host_cold_read_cpu_s_per_gb": med("cold_cpu_s_per_gb"),
