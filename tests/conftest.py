@@ -42,7 +42,7 @@ SHARED_GROUPS = {
                    "test_native_reads.py", "test_ops_admin.py", "test_ops_metrics.py", "test_page_cache_coherence.py",
                    "test_page_fill.py",
                    "test_page_writer_opens.py", "test_read_path.py", "test_tier_bench.py",
-                   "test_tier_hosts.py", "test_writeback_prefetch.py"),
+                   "test_writeback_prefetch.py"),
     # Time: these keep both cores busy for a fixed time (stress, crash rounds, fsx),
     # or bound how long something may take. One at a time, none of them competes
     # with another.

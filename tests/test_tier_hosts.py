@@ -77,7 +77,13 @@ def test_a_chunk_closed_on_one_host_is_read_on_another(ceph, hosts, tmp_path):
     sc = c.stats()
     assert sc["tier_hits"] == 0 and sc["tier_fetched_bytes"] == 0 and sc["tier_verify_failures"] == 0
     sa = a.stats()
-    assert sa["tier_published_files"] == 1 and sa["tier_published_bytes"] == len(data)
+    assert sa["tier_published_files"] == 1
+    if sa["tier_publish_errors"] == 0:
+        assert sa["tier_published_bytes"] == len(data)
+    else:
+        # A try timed out (PUBLISH_TIMEOUT) after some of its puts had landed: the retry
+        # found those (EEXIST, counted as dedup), so the bytes A created are fewer.
+        assert sa["tier_published_blocks"] + sa["tier_publish_dedup_blocks"] >= 32
     assert os.listdir(b.mnt / "model") == ["chunk-0001.bin"]     # no temporary name left behind
 
 
@@ -102,7 +108,9 @@ def test_the_bypass_client_reads_a_fetched_chunk_from_hosts_device(ceph, hosts, 
     assert s["tier_hits"] == before["tier_hits"] + 1 and s["tier_fetched_bytes"] == len(data)
     assert s["block_maps_served"] == before["block_maps_served"] + 1
     assert s["block_maps_unavailable"] == before["block_maps_unavailable"]
-    assert s["kernel_read_requests"] == before["kernel_read_requests"]
+    # Any read through the mount opens the file, and the first open of a fetched file
+    # fills the kernel's page cache: none did.
+    assert s["page_fill_bytes"] == before["page_fill_bytes"]
 
 
 def test_views_and_metrics_show_the_tier(ceph, hosts, tmp_path):
