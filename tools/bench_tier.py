@@ -19,7 +19,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,9 +35,7 @@ def log(text):
 
 
 def _drop_caches(host):
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
+    bl.drop_kernel_caches()
     host.admin("drop-caches", host.mnt)
 
 
@@ -66,53 +63,36 @@ def _rados_bench(cluster, seconds, threads):
     return out
 
 
-def _buffers(chunks, chunk_bytes):
-    """One buffer per chunk, every page touched: an engine reads into memory it holds
-    (LMCache's memory objects, SGLang's host pool), and the figures are the
-    filesystem's, not the page faults of a fresh allocation (~0.8 CPU-s/GB here)."""
-    out = []
-    for _ in range(chunks):
-        buf = bytearray(chunk_bytes)
-        memoryview(buf)[::4096] = b"\1" * len(range(0, chunk_bytes, 4096))
-        out.append(buf)
-    return out
+def _read_all(host, paths, buffers, datas, readers, client, what):
+    """Drop the caches, then read every file whole into its buffer, ``readers`` threads
+    each taking the next path, and check the bytes once the clock has stopped (hashing
+    both sides in the loop cost ~90 ms a chunk). Returns the read's Timed and each
+    open's seconds (the open is where a cross-host lookup fetches; with ``client``,
+    kvfs.client.read_into, the reads of the engine plugins, timed whole)."""
+    size = len(datas[0])
+    opens = [0.0] * len(paths)
 
-
-def _read_all(paths, buffers, readers, client=False):
-    """Read every file whole into its buffer, ``readers`` threads each taking the next
-    path; each open's seconds (the open is where a cross-host lookup fetches).
-    ``client``: with kvfs.client.read_into (the engine plugins' reads) instead, timed
-    whole (its open is inside)."""
-    opens = [None] * len(paths)
-    todo = iter(range(len(paths)))
-    lock = threading.Lock()
-
-    def reader():
-        while True:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            t0 = time.monotonic()
-            if client:
-                if kvfs.client.read_into(paths[i], buffers[i]) != len(buffers[i]):
-                    raise RuntimeError(f"{paths[i]}: not {len(buffers[i])} bytes")
+    def read_one(_state, i):
+        t0 = time.monotonic()
+        if client:
+            got = kvfs.client.read_into(paths[i], buffers[i])
+            opens[i] = time.monotonic() - t0
+        else:
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
                 opens[i] = time.monotonic() - t0
-                continue
-            with open(paths[i], "rb", buffering=0) as f:
-                opens[i] = time.monotonic() - t0
-                view, done = memoryview(buffers[i]), 0
-                while done < len(view):
-                    n = f.readinto(view[done:])
-                    if not n:
-                        raise RuntimeError(f"{paths[i]}: {done} bytes, {len(view)} expected")
-                    done += n
-    threads = [threading.Thread(target=reader) for _ in range(readers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return opens
+                got = os.readv(fd, [memoryview(buffers[i])[:size]])
+            finally:
+                os.close(fd)
+        if got != size:
+            raise bl.ShortIO(f"{paths[i]}: {got} of {size} bytes")
+
+    _drop_caches(host)
+    timing = bl.run_parallel(range(len(paths)), readers, read_one)
+    for path, buf, data in zip(paths, buffers, datas):
+        if buf[:size] != data:
+            raise bl.BenchError(f"{path} {what} on B differs from what A wrote")
+    return timing, opens
 
 
 def _round(a, b, n, chunks, chunk_bytes, readers, client):
@@ -132,26 +112,17 @@ def _round(a, b, n, chunks, chunk_bytes, readers, client):
     publish_s = time.monotonic() - t0
     log(f"round {n}: A wrote {chunks} x {chunk_bytes / MiB:g} MiB in {write_s:.2f} s, "
         f"all published after {publish_s:.2f} s")
-    buffers = _buffers(chunks, chunk_bytes)
-    _drop_caches(b)
+    # An engine reads into memory it holds (LMCache's memory objects, SGLang's host pool):
+    # the buffers are faulted in before the clock, so the figures are the filesystem's,
+    # not the page faults of a fresh allocation (~0.8 CPU-s/GB here).
+    buffers = [bl.aligned_buffer(chunk_bytes) for _ in range(chunks)]
+    paths = [b.mnt / name for name in names]
     before = b.stats()
-    cpu0, t0 = bl.cpu_busy_seconds(), time.monotonic()
-    opens = _read_all([b.mnt / name for name in names], buffers, readers, client)
-    cold_s, cold_cpu = time.monotonic() - t0, bl.cpu_busy_seconds() - cpu0
-    # Compared once the clock has stopped (hashing both sides in the loop cost ~90 ms a chunk).
-    for i, data in enumerate(datas):
-        if buffers[i] != data:
-            raise RuntimeError(f"{names[i]} read on B differs from what A wrote")
+    (cold_s, cold_cpu), opens = _read_all(b, paths, buffers, datas, readers, client, "read")
     cold = b.stats()
     if cold["tier_hits"] - before["tier_hits"] != chunks:
         raise RuntimeError(f"B found {cold['tier_hits'] - before['tier_hits']} of {chunks} chunks in the tier")
-    _drop_caches(b)
-    cpu0, t0 = bl.cpu_busy_seconds(), time.monotonic()
-    _read_all([b.mnt / name for name in names], buffers, readers, client)
-    local_s, local_cpu = time.monotonic() - t0, bl.cpu_busy_seconds() - cpu0
-    for i, data in enumerate(datas):
-        if buffers[i] != data:
-            raise RuntimeError(f"{names[i]} read again on B differs from what A wrote")
+    (local_s, local_cpu), _ = _read_all(b, paths, buffers, datas, readers, client, "read again")
     after = b.stats()
     total = chunks * chunk_bytes
     opens.sort()
