@@ -48,6 +48,14 @@ def wait_connected(*hosts_, timeout: float = 60.0):
             time.sleep(0.1)
 
 
+def wait_published(host, files: int, timeout: float):
+    """Until ``host`` has published ``files`` files to the tier."""
+    deadline = time.monotonic() + timeout
+    while host.stats()["tier_published_files"] < files:
+        assert time.monotonic() < deadline, f"{host.mnt}: {files} files not published in {timeout} s"
+        time.sleep(0.02)
+
+
 def read_when_there(path: Path, timeout: float):
     """(bytes, seconds) of the first open that succeeds, retrying ENOENT for ``timeout``."""
     t0 = time.monotonic()
@@ -109,10 +117,7 @@ def test_the_bypass_client_reads_a_fetched_chunk_from_hosts_device(ceph, hosts, 
     data = os.urandom((8 << 20) + 4097)
     wait_connected(a, b)
     write_chunk(a.mnt / "c.bin", data)
-    deadline = time.monotonic() + 120          # a try that times out is retried (see the first test)
-    while a.stats()["tier_published_files"] < 1:
-        assert time.monotonic() < deadline, "A did not publish in 120 s"
-        time.sleep(0.02)
+    wait_published(a, 1, timeout=120)          # a try that times out is retried (see the first test)
     before = b.stats()
     buf = bytearray(len(data))
     assert kvfs.client.read_into(b.mnt / "c.bin", buf) == len(data)
@@ -244,10 +249,7 @@ def test_a_poisoned_object_is_never_served_through_a_mount(ceph, hosts, tmp_path
     a = hosts("pa", "t1", key)
     data = os.urandom(3 << 20)
     write_chunk(a.mnt / "p.bin", data)
-    deadline = time.monotonic() + 60
-    while a.stats()["tier_published_files"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_published(a, 1, timeout=60)
     names = TenantNames("t1", secret.hex().encode())
     victim = names.block_names(data, 1 << 20)[2]
     rados = load_rados()
