@@ -8,7 +8,7 @@ is never used directly; three keys are derived from it with keyed BLAKE2b:
   tenant, holding another secret, names the same bytes differently. SHA-256, not
   BLAKE2b, because every fetched byte is hashed on the read path and OpenSSL's
   SHA-256 uses the CPU's SHA extensions: 1.46 GB/s a core here, BLAKE2b 0.76
-  (docs/benchmarks.md, shared tier);
+  (docs/benchmarks.md, measurements behind design choices);
 - a file's manifest is named ``m`` + BLAKE2b-256(path, key=K_name): a host finds
   the manifest of a path it never wrote, and the name reveals nothing of the path;
 - a manifest (JSON: tenant, path, size, block size, block names) ends with
