@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 DIST_PACKAGES = ("/usr/lib/python3/dist-packages",)
 MADE_XATTR = "kvfs.made"         # creation time (ns) of objects put_if_absent made
+# Seconds one connection try may take (cephx with the mon, then the osdmap). Not the
+# lookup deadline: no lookup waits for a connection (they miss at once until there is
+# one). Tied to a 1 s deadline, it gave a fresh mount 1 s for the handshake, likely too
+# little on a loaded 2-core CI VM, where hosts were seen unconnected after their mount.
+CONNECT_TIMEOUT = 5.0
 
 
 def load_rados():
@@ -71,16 +76,18 @@ def _map_error(rados, exc: Exception, what: str) -> TierError:
 class RadosBackend:
     """One pool, one RADOS namespace (the tenant's), one cephx user.
 
-    ``connect()`` tries once, within ``deadline`` (the mount goes on without the tier
-    when it fails, and :meth:`ensure_connected` tries again later, at most every
+    ``connect()`` tries once, within ``connect_timeout`` (the mount goes on without the
+    tier when it fails, and :meth:`ensure_connected` tries again later, at most every
     ``retry_s``). Calls on a backend that is not connected fail at once with
     :class:`TierUnavailable`.
     """
 
     def __init__(self, *, conf: str, ceph_id: str, pool: str, namespace: str, deadline: float = 2.0,
-                 concurrency: int = 8, retry_s: float = 5.0, limiter: trio.CapacityLimiter | None = None):
+                 concurrency: int = 8, retry_s: float = 5.0, connect_timeout: float = CONNECT_TIMEOUT,
+                 limiter: trio.CapacityLimiter | None = None):
         self.conf, self.ceph_id, self.pool, self.namespace = conf, ceph_id, pool, namespace
         self.deadline = deadline
+        self.connect_timeout = max(1.0, connect_timeout)
         self.limiter = limiter or trio.CapacityLimiter(concurrency)
         self.retry_s = retry_s
         self._rados = load_rados()
@@ -103,7 +110,7 @@ class RadosBackend:
                                     "rados_mon_op_timeout": self._op_timeout(),
                                     "log_to_stderr": "false", "err_to_stderr": "false"})
         try:
-            cluster.connect(timeout=max(1, int(self.deadline + 0.999)))
+            cluster.connect(timeout=int(self.connect_timeout + 0.999))
             ioctx = cluster.open_ioctx(self.pool)
             ioctx.set_namespace(self.namespace)
         except BaseException:
@@ -119,7 +126,7 @@ class RadosBackend:
         return self._ioctx is not None
 
     async def connect(self) -> None:
-        """Connect now; raise :class:`TierUnavailable` (with the reason) after ``deadline``."""
+        """Connect now; raise :class:`TierUnavailable` (with the reason) after ``connect_timeout``."""
         if self._ioctx is not None:
             return
         if self._connecting:
@@ -128,7 +135,7 @@ class RadosBackend:
         self._last_try = time.monotonic()
         try:
             # connect() is bounded by client_mount_timeout; the trio deadline is a backstop.
-            with trio.move_on_after(self.deadline + 3) as scope:
+            with trio.move_on_after(self.connect_timeout + 3) as scope:
                 try:
                     self._cluster, self._ioctx = await trio.to_thread.run_sync(
                         self._connect_sync, abandon_on_cancel=True)
@@ -137,7 +144,7 @@ class RadosBackend:
                                       f"pool {self.pool}): {exc}"
                     raise TierUnavailable(self.last_error) from None
             if scope.cancelled_caught:
-                self.last_error = f"cannot reach the Ceph cluster ({self.conf}): no answer in {self.deadline + 3:.0f}s"
+                self.last_error = f"cannot reach the Ceph cluster ({self.conf}): no answer in {self.connect_timeout + 3:.0f}s"
                 raise TierUnavailable(self.last_error)
             self.last_error = None
         finally:
