@@ -255,6 +255,13 @@ rados_osd_op_timeout = 5
         for proc in self.osds.values():
             os.kill(proc.pid, signal.SIGSTOP)
 
+    def pause_mon(self):
+        """SIGSTOP the mon: clients cannot authenticate (a mon away at a host's mount)."""
+        os.kill(self.mon.pid, signal.SIGSTOP)
+
+    def resume_mon(self):
+        os.kill(self.mon.pid, signal.SIGCONT)
+
     def resume_osds(self, wait: bool = True):
         """SIGCONT the OSDs; with ``wait``, until they are up and the pool takes writes again."""
         for proc in self.osds.values():

@@ -24,10 +24,11 @@ def close_backends():
         _backends.pop().close()
 
 
-def make(ceph, tenant, secret, *, deadline=3.0, queue=16, block=1 << 20):
+def make(ceph, tenant, secret, *, deadline=3.0, queue=16, block=1 << 20, **backend_options):
     ceph_id, keyring = ceph.add_tenant(tenant)
     conf = ceph.client_conf(ceph_id, keyring)
-    backend = RadosBackend(conf=str(conf), ceph_id=ceph_id, pool="kvpool", namespace=tenant, deadline=deadline)
+    backend = RadosBackend(conf=str(conf), ceph_id=ceph_id, pool="kvpool", namespace=tenant, deadline=deadline,
+                           **backend_options)
     _backends.append(backend)
     return SharedTier(backend, TenantNames(tenant, secret), deadline=deadline, queue=queue, miss_ttl=0.3,
                       block_size=block)
@@ -134,6 +135,32 @@ def test_a_poisoned_block_is_never_served_and_is_quarantined(ceph):
             ioctx.close()
             cluster.shutdown()
             nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_a_file_offered_before_the_first_connection_is_published_once_there_is_one(ceph):
+    """The mon does not answer at the mount: offers wait in the queue without spending their
+    tries, and go out when a later try connects. (They were tried at once, three times a
+    second apart, and dropped: a host whose first connection failed never published the
+    files closed in its first seconds.)"""
+    async def main():
+        a = make(ceph, "t1", b"C" * 32, connect_timeout=1, retry_s=1)
+        ceph.pause_mon()
+        try:
+            async with trio.open_nursery() as nursery:
+                await running(a, nursery)
+                assert a.warned and not a.statistics().tier_connected
+                path, data = f"/c/{time.time_ns()}".encode(), os.urandom((1 << 20) + 5)
+                assert a.offer(reader(path, data))
+                await trio.sleep(4)                 # longer than the three tries took
+                s = a.statistics()
+                assert (s.tier_connected, s.tier_queue_len, s.tier_publish_errors) == (0, 1, 0)
+                ceph.resume_mon()
+                await published(a, 1, timeout=30)
+                assert a.statistics().tier_published_bytes == len(data)
+                nursery.cancel_scope.cancel()
+        finally:
+            ceph.resume_mon()
     trio.run(main)
 
 

@@ -5,7 +5,7 @@ An adapter the server wires in (``tier=rados``); the namespace sees it only as
 
 ``backend``  the four calls every backend offers (get, put_if_absent, exists, delete), errors
 ``rados``    those calls over librados (python3-rados), in worker threads, under a deadline
-``names``    tenant secret, keyed BLAKE2b block and manifest names, the manifest MAC
+``names``    tenant secret, HMAC-SHA-256 block and manifest names, the manifest MAC
 ``shared``   SharedTier: the publish queue and workers, verified fetches, statistics
 ``janitor``  keeps a tenant's objects under a capacity bound, oldest first (one host runs it)
 ``options``  the mount options

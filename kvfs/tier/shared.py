@@ -4,9 +4,10 @@ Publishing: the namespace offers a file once it is sealed and nobody writes it
 (:meth:`SharedTier.offer`, never awaits). Offers wait in a bounded queue; when it
 is full the offer is dropped and counted, so ``close()`` never waits for the tier
 and a burst of writes costs a fixed amount of memory (the queue holds paths and a
-reader, not bytes; ``publish_workers`` files are in RAM at once). A worker reads
-the file through the namespace, names its blocks (HMAC-SHA-256, in a worker
-thread), creates each block object unless it exists (EEXIST: another host of the
+reader, not bytes; ``publish_workers`` files are in RAM at once). While the host
+holds no connection (its mount's try failed), offers wait there and spend no try.
+A worker reads the file through the namespace, names its blocks (HMAC-SHA-256, in
+a worker thread), creates each block object unless it exists (EEXIST: another host of the
 tenant published the same bytes, a dedup hit), then the manifest, write-once.
 
 Fetching: a lookup that misses locally asks :meth:`SharedTier.fetch` for the path.
@@ -38,6 +39,7 @@ MISS_CACHE = 65536                # names remembered as missing, at most
 DOWN_BACKOFF = 5.0                # seconds lookups skip a tier that just ran out of time
 PUBLISH_TIMEOUT = 10.0            # seconds one publishing call may take (not on anyone's path)
 PUBLISH_TRIES = 3                 # a file whose publishing failed is queued again, this often in all
+CONNECTED_POLL = 0.5              # seconds a publisher waits before it looks for a connection again
 
 
 @dataclasses.dataclass
@@ -303,6 +305,12 @@ class SharedTier:
             while not self._queue:
                 self._queued = trio.Event()
                 await self._queued.wait()
+            if not self.backend.connected:
+                # Wait for the connection with the offer still queued, spending no try: a
+                # file closed while the mount's first try failed, or the cluster was away,
+                # is published once it is back (the bounded queue drops what does not fit).
+                await trio.sleep(CONNECTED_POLL)
+                continue
             offer, tries = self._queue.popleft(), 1
             if isinstance(offer, tuple):
                 offer, tries = offer
