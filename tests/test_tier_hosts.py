@@ -28,6 +28,13 @@ def hosts(ceph, tmp_path):
 
     yield make
     for host in made:
+        # Shown only when the test failed: what each host's tier did, and its tier log lines.
+        try:
+            tier = {k: v for k, v in host.stats().items() if k.startswith("tier_")}
+        except Exception as exc:
+            tier = f"no stats: {exc}"
+        lines = [line for line in host.log.read_text(errors="replace").splitlines() if "tier" in line]
+        print(f"{host.mnt}: {tier}", *lines[-20:], sep="\n  ")
         host.teardown()
 
 
