@@ -131,7 +131,13 @@ rados_osd_op_timeout = 5
     def _network(self):
         _run("ip", "netns", "add", self.netns)
         _run(*self._netns("ip", "link", "set", "lo", "up"))
-        _run(*self._netns("ip", "link", "add", self.bridge, "type", "bridge"))
+        # A fixed MAC: a bridge left to choose takes the lowest of its ports' MACs, so
+        # adding a host's veth changed it, and every client that had resolved the mon's
+        # address kept sending to the old MAC, which the bridge now drops as another
+        # host's (PACKET_OTHERHOST) until its ARP entry was probed again. That cut
+        # the test process and older hosts off the cluster for up to tens of seconds.
+        mac = "02:6b:76:" + ":".join(f"{random.randrange(256):02x}" for _ in range(3))
+        _run(*self._netns("ip", "link", "add", self.bridge, "address", mac, "type", "bridge"))
         _run(*self._netns("ip", "addr", "add", f"{self.ip}/24", "dev", self.bridge))
         _run(*self._netns("ip", "link", "set", self.bridge, "up"))
         # The test process's own way in: a veth from the root namespace into the bridge.

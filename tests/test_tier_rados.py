@@ -2,6 +2,7 @@
 exclusive create as dedup, get/exists/delete, tenants confined to their RADOS
 namespace by cephx, and an unreachable cluster answering within the deadline."""
 import os
+import subprocess
 import time
 
 import pytest
@@ -23,6 +24,18 @@ def test_cluster_starts_quickly(ceph):
     print(f"cluster start: {ceph.started_s:.1f} s")
     assert ceph.started_s < 60
     assert ceph.mon.poll() is None and all(p.poll() is None for p in ceph.osds.values())
+
+
+def test_the_cluster_bridge_keeps_its_mac_as_hosts_come(ceph):
+    """Left to itself a bridge takes its lowest port MAC, so a new host could change it
+    and cut off every client that had resolved the mon (tests/ceph_cluster.py)."""
+    def bridge_mac():
+        return subprocess.run(["ip", "netns", "exec", ceph.netns, "cat", f"/sys/class/net/{ceph.bridge}/address"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    before = bridge_mac()
+    for i in range(6):      # random port MACs: with a chosen MAC, 6 in 7 runs would change it
+        ceph.add_host(f"mac{i}")
+    assert bridge_mac() == before
 
 
 def test_put_if_absent_get_exists_delete(ceph):
