@@ -33,8 +33,8 @@ DIST_PACKAGES = ("/usr/lib/python3/dist-packages",)
 MADE_XATTR = "kvfs.made"         # creation time (ns) of objects put_if_absent made
 # Seconds one connection try may take (cephx with the mon, then the osdmap). Not the
 # lookup deadline: no lookup waits for a connection (they miss at once until there is
-# one). Tied to a 1 s deadline, it gave a fresh mount 1 s for the handshake, likely too
-# little on a loaded 2-core CI VM, where hosts were seen unconnected after their mount.
+# one), so nothing gains from a short try, and a mon that answers in 1.5 s should not
+# leave a host without the tier for the next retry_s.
 CONNECT_TIMEOUT = 5.0
 
 
