@@ -1,6 +1,7 @@
 """`kvfs-bench tier` end to end, small: it starts its own Ceph cluster and two hosts, and
-must report every figure, read B's chunks bit-exact (it raises otherwise), and leave
-nothing behind. Its figures are not judged here: the benchmarks page does that."""
+must report every figure, read B's chunks bit-exact (it raises otherwise; so do its
+floor passes), and leave nothing behind. Its figures are not judged here: the
+benchmarks page does that."""
 import json
 import os
 import statistics
@@ -32,6 +33,9 @@ def cluster_owners():
     return pids
 
 
+FLOORS = ("floor_fetch_verify", "floor_fetch_verify_page_cache_read", "floor_fetch_verify_keep_read_direct")
+
+
 @pytest.mark.parametrize("client", [False, True], ids=["plain-reads", "bypass-client"])
 def test_tier_bench_reports_every_figure_and_tears_down(tmp_path, client):
     if os.geteuid() != 0 or missing_packages():
@@ -61,9 +65,15 @@ def test_tier_bench_reports_every_figure_and_tears_down(tmp_path, client):
             assert r[key] >= 0, key
         assert r["rados_bench"]["seq_read_gb_s"] > 0 and r["rados_bench"]["seq_read_cpu_s_per_gb"] > 0
         assert r["cold_vs_rados_seq"] == round(r["cold_gb_s"] / r["rados_bench"]["seq_read_gb_s"], 3)
+        for floor in FLOORS:                            # the same objects, without kvfs
+            assert r[floor]["gb_s"] > 0 and r[floor]["cpu_s_per_gb"] >= 0, floor
+            assert r[floor]["vs_rados_seq"] == round(r[floor]["gb_s"] / r["rados_bench"]["seq_read_gb_s"], 3)
     assert out["cross_host_cold_read_gb_s"] == statistics.median(r["cold_gb_s"] for r in out["rounds"])
     assert out["cold_vs_rados_seq"] == statistics.median(r["cold_vs_rados_seq"] for r in out["rounds"])
+    assert out["floor_fetch_verify_page_cache_read_vs_rados_seq"] == statistics.median(
+        r["floor_fetch_verify_page_cache_read"]["vs_rados_seq"] for r in out["rounds"])
     assert list(workdir.iterdir()) == []                # scratch removed
+    assert list(Path("/dev/shm").glob("kvfs-bench-floor-*")) == []     # the floor's page-cache files
     tag = proc.pid % 100000                             # tests/ceph_cluster.py names things after the pid
     assert leftovers(f"kvt{tag}-") == []                # the cluster's and the hosts' namespaces
     assert subprocess.run(["ip", "link", "show", f"kvr{tag}"], capture_output=True).returncode != 0

@@ -11,6 +11,15 @@ namespace over the same bridge. That is one round; ``repeat`` rounds run on fres
 names in the same cluster, and the figures are their medians, each speed with the
 whole machine's busy CPU-seconds per GB (/proc/stat) beside it. Prints one JSON
 object; everything is torn down at the end.
+
+Each round also measures a floor: what any verified cross-host read of the same
+chunks must do at least, without kvfs (:func:`_floor`). It reads the round's
+tier objects with librados from the root namespace, as ``rados bench`` does, on
+as many threads, and checks every block's keyed name (the tier's own HMAC); a
+second pass also places each chunk in the page cache and reads it into the
+reader's buffer, as a plain read() gets its bytes; a third keeps each chunk in a
+file beside the stores and reads it back with O_DIRECT, as the bypass client
+does. No pass has a daemon, a FUSE request or a store in the way.
 """
 from __future__ import annotations
 
@@ -63,6 +72,103 @@ def _rados_bench(cluster, seconds, threads):
     return out
 
 
+FLOORS = ("fetch_verify", "fetch_verify_page_cache_read", "fetch_verify_keep_read_direct")
+
+
+def _floor(cluster, tenant, key, names, buffers, datas, threads, readers, scratch):
+    """The floor of one round (module doc): {pass: {gb_s, cpu_s_per_gb}} for FLOORS.
+
+    * fetch_verify: each block read with librados and checked against its name.
+    * ..._page_cache_read: each checked block also written into a file on /dev/shm
+      (tmpfs: a copy into newly allocated page-cache pages, as kvfs's page fill
+      makes), then each file read whole into its buffer (plain reads).
+    * ..._keep_read_direct: each checked block also written with O_DIRECT into a
+      file beside the hosts' stores (the local copy the tier keeps), then each file
+      read back with O_DIRECT into its buffer and every block hashed with xxh3 (the
+      bypass client's reads and key checks).
+
+    A pass's time is the sum of its two steps: the fetch on ``threads`` threads (as
+    ``rados bench -t``), the read-out on ``readers``."""
+    import xxhash
+
+    from ceph_cluster import POOL
+    from kvfs.tier.names import TenantNames, load_secret
+    from kvfs.tier.rados import load_rados
+    rados = load_rados()
+    ceph_id, keyring = cluster.add_tenant(tenant)
+    conn = rados.Rados(conffile=str(cluster.client_conf(ceph_id, keyring)), rados_id=ceph_id)
+    conn.connect(timeout=10)
+    shm = Path(tempfile.mkdtemp(prefix="kvfs-bench-floor-", dir="/dev/shm"))
+    try:
+        ioctx = conn.open_ioctx(POOL)
+        ioctx.set_namespace(tenant)
+        tn = TenantNames(tenant, load_secret(str(key)))
+        paths = [b"/" + name.encode() for name in names]
+        manifests = [tn.decode_manifest(ioctx.read(tn.manifest_name(p), 1 << 20), p) for p in paths]
+        jobs = [(c, i) for c, m in enumerate(manifests) for i in range(len(m.blocks))]
+        total = sum(m.size for m in manifests)
+        block_size = max(m.block_size for m in manifests)
+        out = {}
+        for floor in FLOORS:
+            if floor == FLOORS[1]:
+                fds = [os.open(shm / f"c{c}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                       for c in range(len(manifests))]
+            elif floor == FLOORS[2]:
+                fds = [os.open(scratch / f"floor-c{c}", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+                       for c in range(len(manifests))]
+            else:
+                fds = []
+            hashes = {}
+
+            def fetch(staging, job):
+                c, i = job
+                m = manifests[c]
+                data = ioctx.read(m.blocks[i], m.block_size + 1)
+                if len(data) != TenantNames.block_length(m, i) or tn.block_name(data) != m.blocks[i]:
+                    raise bl.BenchError(f"floor: block {i} of {names[c]} does not verify")
+                if floor == FLOORS[1]:
+                    written = os.pwrite(fds[c], data, i * m.block_size)
+                elif floor == FLOORS[2]:
+                    hashes[job] = xxhash.xxh3_128_digest(data)
+                    staging[:len(data)] = data
+                    written = min(len(data), os.pwrite(fds[c], memoryview(staging)[:bl.round_up(len(data))],
+                                                       i * m.block_size))
+                else:
+                    return
+                if written != len(data):
+                    raise bl.ShortIO(f"floor: short write ({names[c]})")
+
+            def read_out(_state, c):
+                size = manifests[c].size
+                view = memoryview(buffers[c])
+                if os.preadv(fds[c], [view[:bl.round_up(size) if floor == FLOORS[2] else size]], 0) < size:
+                    raise bl.ShortIO(f"floor: short read ({names[c]})")
+                if floor == FLOORS[2]:
+                    bs = manifests[c].block_size
+                    for i in range(len(manifests[c].blocks)):
+                        if xxhash.xxh3_128_digest(view[i * bs:min(size, (i + 1) * bs)]) != hashes[(c, i)]:
+                            raise bl.BenchError(f"floor: block {i} of {names[c]} read back wrong")
+            try:
+                bl.drop_kernel_caches()
+                seconds, cpu = bl.run_parallel(jobs, threads, fetch, setup=lambda: bl.aligned_buffer(block_size))
+                if fds:
+                    more_s, more_cpu = bl.run_parallel(range(len(manifests)), readers, read_out)
+                    seconds, cpu = seconds + more_s, cpu + more_cpu
+                    for c, data in enumerate(datas):
+                        if buffers[c][:len(data)] != data:
+                            raise bl.BenchError(f"floor: {names[c]} differs from what A wrote")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            out[floor] = {"gb_s": round(total / seconds / 1e9, 3),
+                          "cpu_s_per_gb": round(bl.cpu_s_per_gb(cpu, total), 3)}
+        ioctx.close()
+        return out
+    finally:
+        conn.shutdown()
+        subprocess.run(["rm", "-rf", str(shm)] + [str(scratch / f"floor-c{c}") for c in range(len(names))])
+
+
 def _read_all(host, paths, buffers, datas, readers, client, what):
     """Drop the caches, then read every file whole into its buffer, ``readers`` threads
     each taking the next path, and check the bytes once the clock has stopped (hashing
@@ -95,8 +201,9 @@ def _read_all(host, paths, buffers, datas, readers, client, what):
     return timing, opens
 
 
-def _round(a, b, n, chunks, chunk_bytes, readers, client):
-    """One round on fresh names: A writes and publishes, B reads cold, then again locally."""
+def _round(a, b, n, chunks, chunk_bytes, readers, client, floor):
+    """One round on fresh names: A writes and publishes, B reads cold, then again locally;
+    then the floor (``floor(names, buffers, datas)``) on the same objects."""
     datas = [os.urandom(chunk_bytes) for _ in range(chunks)]
     names = [f"round{n}-chunk-{i:04d}.bin" for i in range(chunks)]
     published = a.stats()["tier_published_files"]
@@ -124,9 +231,11 @@ def _round(a, b, n, chunks, chunk_bytes, readers, client):
         raise RuntimeError(f"B found {cold['tier_hits'] - before['tier_hits']} of {chunks} chunks in the tier")
     (local_s, local_cpu), _ = _read_all(b, paths, buffers, datas, readers, client, "read again")
     after = b.stats()
+    floors = floor(names, buffers, datas)
     total = chunks * chunk_bytes
     opens.sort()
     return {
+        **{f"floor_{name}": figures for name, figures in floors.items()},
         "write_on_a_s": round(write_s, 3), "published_on_a_after_s": round(publish_s, 3),
         "cold_gb_s": round(total / cold_s / 1e9, 3), "cold_cpu_s_per_gb": round(bl.cpu_s_per_gb(cold_cpu, total), 3),
         "open_ms_median": round(opens[len(opens) // 2] * 1000, 1), "open_ms_max": round(opens[-1] * 1000, 1),
@@ -164,11 +273,15 @@ def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rado
         a, b = hosts
         rounds = []
         for n in range(repeat):
-            one = _round(a, b, n, chunks, chunk_bytes, readers, client)
+            one = _round(a, b, n, chunks, chunk_bytes, readers, client,
+                         lambda names, buffers, datas: _floor(cluster, "bench", key, names, buffers, datas,
+                                                              rados_threads, readers, scratch))
             log(f"round {n}: rados bench ...")
             one["rados_bench"] = _rados_bench(cluster, rados_seconds, rados_threads)
             seq = one["rados_bench"]["seq_read_gb_s"]
             one["cold_vs_rados_seq"] = round(one["cold_gb_s"] / seq, 3) if seq else None
+            for floor in FLOORS:
+                one[f"floor_{floor}"]["vs_rados_seq"] = round(one[f"floor_{floor}"]["gb_s"] / seq, 3) if seq else None
             log(f"round {n}: cold {one['cold_gb_s']} GB/s, rados seq {seq} GB/s")
             rounds.append(one)
         if any(r["second_read_bytes_from_tier"] for r in rounds):
@@ -192,6 +305,9 @@ def run(*, chunks=8, chunk_bytes=32 * MiB, workdir="/tmp", rados_seconds=3, rado
             "rados_bench": {"object_bytes": MiB, "threads": rados_threads, "seconds": rados_seconds},
             "cold_vs_rados_seq": med("cold_vs_rados_seq"),
             "goal_cold_vs_rados_seq": 0.5,
+            # The floor (module doc): what a verified cross-host read costs without kvfs.
+            **{f"floor_{floor}_{key}": med(key, f"floor_{floor}")
+               for floor in FLOORS for key in ("gb_s", "cpu_s_per_gb", "vs_rados_seq")},
             "rounds": rounds,
         }
         return out, 0
