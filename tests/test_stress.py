@@ -45,7 +45,13 @@ from stress_workers import DIRS, NAMES, Stress
 
 SECONDS = os.environ.get("KVFS_STRESS_SECONDS")
 SEED = int(os.environ.get("KVFS_STRESS_SEED", "20250612"))
-OPTIONS = ["cache_size=2M", "dirty_limit=1M", "eviction_policy=none"]
+# mmp_interval: kvfsmount's 0.25 s heartbeat fences a daemon whose heartbeat is 3.5 s
+# overdue. In one CI run the faults stress had operations take up to 7.8 s (0.3 s when
+# run alone) while the other worker's test drove the same disk, a heartbeat came 3.56 s
+# late, and the daemon fenced itself mid-run (EROFS): MMP doing its job, on a stall this
+# test does not mean to judge (tests/test_mmp_mounted.py does). 2 s allows 10.5 s; each
+# mount then waits 4 s to claim the store.
+OPTIONS = ["cache_size=2M", "dirty_limit=1M", "eviction_policy=none", "mmp_interval=2"]
 LOW_FAULT_RATE = {"seed": 12, "rules": [
     {"op": "read", "effect": "delay", "seconds": 0.02, "probability": 0.05},
     {"op": "read", "effect": "eio", "probability": 0.01},
