@@ -186,10 +186,12 @@ def test_softpath_reports_every_figure_and_tears_down(tmp_path):
                 # Cold means the device delivered every byte.
                 assert fig["device_bytes_read"] >= expected, (side, name)
         assert run[side]["flush_after_write"]["seconds"] > 0
-        # After the hot pass every page of the first file is cached (the test runs
-        # as root, so the PFNs are readable), whichever folios hold them.
+        # After the hot pass the first file's pages are cached (the test runs as root,
+        # so the PFNs are readable), whichever folios hold them. Nearly all: the kernel
+        # may reclaim some before they are counted (one CI run counted 510 of kvfs's
+        # 512, beside another test; this VM also runs a DAMON "pageout" scheme).
         cache = run[side]["page_cache"]
-        assert cache["pages"] == mib * MiB // 4096, side
+        assert 0.9 * mib * MiB // 4096 <= cache["pages"] <= mib * MiB // 4096, side
         assert 0 <= cache["pages_in_large_folios"] <= cache["pages"], side
         # With --repeat 1 the medians are that one run.
         for name in softpath.FIGURES:
