@@ -99,6 +99,11 @@ def _floor(cluster, tenant, key, names, buffers, datas, threads, readers, scratc
     conn = rados.Rados(conffile=str(cluster.client_conf(ceph_id, keyring)), rados_id=ceph_id)
     conn.connect(timeout=10)
     shm = Path(tempfile.mkdtemp(prefix="kvfs-bench-floor-", dir="/dev/shm"))
+    direct_files = [scratch / f"floor-c{c}" for c in range(len(names))]
+    # Per pass: where the chunks are placed (None: nowhere), and whether with O_DIRECT.
+    placements = {FLOORS[0]: (None, False),
+                  FLOORS[1]: ([shm / f"c{c}" for c in range(len(names))], False),
+                  FLOORS[2]: (direct_files, True)}
     try:
         ioctx = conn.open_ioctx(POOL)
         ioctx.set_namespace(tenant)
@@ -109,15 +114,9 @@ def _floor(cluster, tenant, key, names, buffers, datas, threads, readers, scratc
         total = sum(m.size for m in manifests)
         block_size = max(m.block_size for m in manifests)
         out = {}
-        for floor in FLOORS:
-            if floor == FLOORS[1]:
-                fds = [os.open(shm / f"c{c}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                       for c in range(len(manifests))]
-            elif floor == FLOORS[2]:
-                fds = [os.open(scratch / f"floor-c{c}", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-                       for c in range(len(manifests))]
-            else:
-                fds = []
+        for floor, (files, direct) in placements.items():
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+            fds = [os.open(path, flags, 0o600) for path in files or ()]
             hashes = {}
 
             def fetch(staging, job):
@@ -126,24 +125,24 @@ def _floor(cluster, tenant, key, names, buffers, datas, threads, readers, scratc
                 data = ioctx.read(m.blocks[i], m.block_size + 1)
                 if len(data) != TenantNames.block_length(m, i) or tn.block_name(data) != m.blocks[i]:
                     raise bl.BenchError(f"floor: block {i} of {names[c]} does not verify")
-                if floor == FLOORS[1]:
-                    written = os.pwrite(fds[c], data, i * m.block_size)
-                elif floor == FLOORS[2]:
+                if not fds:
+                    return
+                if direct:
                     hashes[job] = xxhash.xxh3_128_digest(data)
                     staging[:len(data)] = data
                     written = min(len(data), os.pwrite(fds[c], memoryview(staging)[:bl.round_up(len(data))],
                                                        i * m.block_size))
                 else:
-                    return
+                    written = os.pwrite(fds[c], data, i * m.block_size)
                 if written != len(data):
                     raise bl.ShortIO(f"floor: short write ({names[c]})")
 
             def read_out(_state, c):
                 size = manifests[c].size
                 view = memoryview(buffers[c])
-                if os.preadv(fds[c], [view[:bl.round_up(size) if floor == FLOORS[2] else size]], 0) < size:
+                if os.preadv(fds[c], [view[:bl.round_up(size) if direct else size]], 0) < size:
                     raise bl.ShortIO(f"floor: short read ({names[c]})")
-                if floor == FLOORS[2]:
+                if direct:
                     bs = manifests[c].block_size
                     for i in range(len(manifests[c].blocks)):
                         if xxhash.xxh3_128_digest(view[i * bs:min(size, (i + 1) * bs)]) != hashes[(c, i)]:
@@ -166,7 +165,9 @@ def _floor(cluster, tenant, key, names, buffers, datas, threads, readers, scratc
         return out
     finally:
         conn.shutdown()
-        subprocess.run(["rm", "-rf", str(shm)] + [str(scratch / f"floor-c{c}") for c in range(len(names))])
+        bl.remove_tree(shm)
+        for path in direct_files:
+            path.unlink(missing_ok=True)
 
 
 def _read_all(host, paths, buffers, datas, readers, client, what):
