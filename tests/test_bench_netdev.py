@@ -8,7 +8,6 @@ losetup, a C compiler with libfuse3-dev (tools/setup installs it) and fio.
 """
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -135,8 +134,30 @@ def test_netdev_reports_every_figure_and_tears_down(tmp_path):
         if side == "kvfs":
             assert client["files_bypassed"] == chunks and client["daemon_device_bytes_read"] < expected // 2
 
+    # The FUSE floor: latencydev with no latency read through its mount, both ways of opening.
+    floors = config["floors"]["100"]
+    assert floors["page_cache"]["options"] == ["--page-cache"] and floors["direct_io"]["options"] == []
+    cold = [name for name in softpath.FIGURES if name.startswith("cold")]
+    assert sorted(run["floor"]) == ["direct_io", "page_cache"]
+    for floor, figures in run["floor"].items():
+        assert floors[floor]["latency_us"] == 0 and floors[floor]["size"] >= expected
+        assert sorted(figures) == sorted(cold)
+        for name, fig in figures.items():
+            assert fig["bytes"] == expected and fig["files_verified"] == chunks, (floor, name)
+            assert fig["daemon_bytes_served"] >= expected, (floor, name)   # cold: the daemon served it
+            assert fig["gbps"] == pytest.approx(fig["bytes"] / fig["seconds"] / 1e9)
+            assert result["medians"]["floor"][floor][name]["gbps"] == fig["gbps"]
+
     table = result["table"]
     assert sorted(table) == sorted([*softpath.FIGURES, "cold_read_many_1t"])
+    for name, row in table.items():
+        for floor in ("page_cache", "direct_io"):
+            assert (f"floor_{floor}_gbps" in row) == (name in cold), (name, floor)
+            if name in cold:
+                f = run["floor"][floor][name]
+                assert row[f"floor_{floor}_gbps"] == f["gbps"]
+                assert row[f"floor_{floor}_over_ext4"] == pytest.approx(f["gbps"] / row["ext4_gbps"])
+                assert row[f"kvfs_over_floor_{floor}"] == pytest.approx(row["kvfs_gbps"] / f["gbps"])
     qd1, qd16 = device["read_qd1"]["gbps"], device["read_qd16"]["gbps"]
     for name, row in table.items():
         assert row["speed_ratio"] == pytest.approx(row["kvfs_gbps"] / row["ext4_gbps"])
@@ -195,20 +216,9 @@ def test_netdev_interrupted_still_tears_down(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def served(ns, timeout=60):
+def served(ns):
     """What ``ns``'s daemon served since the last call (its SIGUSR1 line), as a dict of ints."""
-    ns.proc.send_signal(signal.SIGUSR1)
-    fd, text = ns.proc.stdout.fileno(), b""
-    deadline = time.monotonic() + timeout
-    while not text.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        assert left > 0 and select.select([fd], [], [], left)[0], f"no stats line from latencydev: {text!r}"
-        data = os.read(fd, 4096)        # raw reads, as Namespace.start reads its first lines
-        assert data, f"latencydev closed its output: {text!r}"
-        text += data
-    line = text.decode().strip()
-    assert line.startswith("stats "), line
-    return {key: int(value) for key, value in (item.split("=") for item in line.split()[1:])}
+    return ns.served()
 
 
 def test_namespace_latency_and_overlap(tmp_path):
@@ -259,6 +269,31 @@ def test_namespace_latency_and_overlap(tmp_path):
             assert stats["max_in_flight"] > 1, stats
         finally:
             os.close(fd)
+    assert ns.proc.returncode == 0
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("page_cache", [False, True])
+def test_the_floor_daemon_opens_with_or_without_the_page_cache(tmp_path, page_cache):
+    """--page-cache answers opens without direct_io: a second buffered read is the kernel's."""
+    benchlib, _, netdev = load()
+    with benchlib.Teardown() as teardown:
+        ns = netdev.Namespace("t", netdev.build_daemon(), tmp_path, 16 * MiB, 0)
+        ns.extra_args = ("--page-cache",) if page_cache else ()
+        ns.attach = lambda teardown: None                   # through the mount, as the floor reads
+        ns.start(teardown)
+        data = os.urandom(4 * MiB)
+        fd = os.open(ns.file, os.O_RDWR)
+        try:
+            assert os.pwrite(fd, data, MiB) == len(data)
+            os.fsync(fd)
+            assert os.pread(fd, len(data), MiB) == data
+            served(ns)
+            assert os.pread(fd, len(data), MiB) == data       # read again, the same descriptor
+            again = served(ns)["read_bytes"]
+        finally:
+            os.close(fd)
+        assert again == (0 if page_cache else len(data))
     assert ns.proc.returncode == 0
     assert leftovers(tmp_path) == []
 

@@ -35,7 +35,11 @@ loop devices are started; then, ``--repeat`` times:
   (tools/sglang_workload.py) store the same amount of KV in pages and read them
   back cold: HiCacheFile on both sides, and on kvfs also the kvfs backend with
   ``batch_get_v1`` (kvfs/client/sglang.py);
-- both filesystems unmounted.
+- both filesystems unmounted;
+- the FUSE floor (tools/netdev_floor.py): the cold passes again, through two more
+  latencydev mounts with no latency and no loop device, one opening files without
+  direct_io (as kvfs does by default) and one with it (as ``native_direct_io=on``
+  does): what a FUSE server that does nothing but copy from RAM reaches here.
 
 The engine rows of the table compare the kvfs client against the stock backend on
 ext4: the LMCache plugin against the faster of LMCache's two local disk modes on
@@ -63,6 +67,7 @@ from pathlib import Path
 
 import bench_softpath as sp
 import benchlib as bl
+import netdev_floor
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -123,6 +128,8 @@ def build_daemon(build_dir=None):
 class Namespace:
     """One latencydev daemon and the direct-I/O loop device on its file."""
 
+    extra_args = ()                    # more latencydev options (the FUSE floor's --page-cache)
+
     def __init__(self, name, binary, root, size, latency_us, threads=DAEMON_THREADS):
         self.name = name
         self.mountpoint = Path(root) / f"ns-{name}"
@@ -139,7 +146,7 @@ class Namespace:
         teardown.add(f"rmdir {self.mountpoint}",
                      lambda: self.mountpoint.is_dir() and self.mountpoint.rmdir())
         cmd = [str(self.binary), "--size", str(self.size), "--latency-us", str(self.latency_us),
-               "--threads", str(self.threads), "--prefault", str(self.mountpoint)]
+               "--threads", str(self.threads), "--prefault", *self.extra_args, str(self.mountpoint)]
         with open(self.log_path, "w") as log_file:
             # A session of its own: a Ctrl-C at the terminal reaches only the
             # benchmark, which then tears down in order, daemons last.
@@ -187,6 +194,24 @@ class Namespace:
                                 "not 1: the loop driver fell back to buffered I/O")
         self.queue = {name: (sysdir / "queue" / name).read_text().strip()
                       for name in ("max_sectors_kb", "logical_block_size")}
+
+    def served(self, timeout=60):
+        """What the daemon served since the last call (its SIGUSR1 line), as a dict of ints."""
+        self.proc.send_signal(signal.SIGUSR1)
+        fd, text = self.proc.stdout.fileno(), b""
+        deadline = time.monotonic() + timeout
+        while not text.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise bl.BenchError(f"no stats line from latencydev {self.mountpoint}: {text!r}")
+            data = os.read(fd, 4096)        # raw reads, as start() reads its first lines
+            if not data:
+                raise bl.BenchError(f"latencydev {self.mountpoint} closed its output: {text!r}")
+            text += data
+        line = text.decode().strip()
+        if not line.startswith("stats "):
+            raise bl.BenchError(f"latencydev {self.mountpoint}: not a stats line: {line!r}")
+        return {key: int(value) for key, value in (item.split("=") for item in line.split()[1:])}
 
     def stop(self, timeout=30):
         """Unmount the daemon's filesystem and wait for the daemon to exit.
@@ -497,7 +522,7 @@ def run_sglang(side, chunks, chunk_bytes):
     return results
 
 
-def run_repeat(rep, root, namespaces, contents, views, expected, buffers, file_bytes, seed,
+def run_repeat(rep, root, namespaces, floors, contents, views, expected, buffers, file_bytes, seed,
                kvfs_options, lmcache, sglang=False):
     run = {}
     # The device limit first, on the raw device (mkfs comes after it).
@@ -527,6 +552,8 @@ def run_repeat(rep, root, namespaces, contents, views, expected, buffers, file_b
                         sides[name], len(views), file_bytes)
             if sglang:
                 run[name]["sglang"] = run_sglang(sides[name], len(views), file_bytes)
+    run["floor"] = {name: netdev_floor.run_floor(floor, views, expected, buffers, file_bytes)
+                    for name, floor in floors.items()}
     return run
 
 
@@ -567,6 +594,7 @@ def compute_medians(runs, lmcache, sglang=False):
             for backend in SGLANG_BACKENDS[side]:
                 medians[side][names[backend]] = _engine_medians(
                     [r[side]["sglang"][backend] for r in runs], "get")
+    medians["floor"] = netdev_floor.medians(runs)
     return medians
 
 
@@ -598,6 +626,13 @@ def compute_table(medians):
         for label, key in limits.items():
             row[f"kvfs_over_{label}"] = ratio(k["gbps"], device[key]["gbps"])
             row[f"ext4_over_{label}"] = ratio(e["gbps"], device[key]["gbps"])
+        for floor, figures in medians["floor"].items():
+            if name in figures:       # the FUSE floor (tools/netdev_floor.py): cold reads only
+                f = figures[name]
+                row[f"floor_{floor}_gbps"] = f["gbps"]
+                row[f"floor_{floor}_cpu_s_per_gb"] = f["cpu_s_per_gb"]
+                row[f"floor_{floor}_over_ext4"] = ratio(f["gbps"], e["gbps"])
+                row[f"kvfs_over_floor_{floor}"] = ratio(k["gbps"], f["gbps"])
         table[name] = row
     return table
 
@@ -609,12 +644,15 @@ def log_summary(latency_us, medians, table):
            f"QD16 {fmt(device['read_qd16']['gbps'])} GB/s ({fmt(device['read_qd16']['cpu_s_per_gb'])}), "
            f"write QD16 {fmt(device['write_qd16']['gbps'])} GB/s")
     bl.log(f"{'figure':<26} {'kvfs GB/s':>9} {'ext4 GB/s':>9} {'k/e':>5} {'kvfs CPU':>8} "
-           f"{'ext4 CPU':>8} {'CPU k/e':>7} {'k/QD1':>6} {'k/QD16':>6}")
+           f"{'ext4 CPU':>8} {'CPU k/e':>7} {'k/QD1':>6} {'k/QD16':>6} {'floor pc/dio GB/s':>17}")
     for name, row in table.items():
+        floors = (f"{fmt(row['floor_page_cache_gbps'])}/{fmt(row['floor_direct_io_gbps'])}"
+                  if "floor_page_cache_gbps" in row else "")
         bl.log(f"{name:<26} {fmt(row['kvfs_gbps']):>9} {fmt(row['ext4_gbps']):>9} "
                f"{fmt(row['speed_ratio']):>5} {fmt(row['kvfs_cpu_s_per_gb']):>8} "
                f"{fmt(row['ext4_cpu_s_per_gb']):>8} {fmt(row['cpu_ratio']):>7} "
-               f"{fmt(row.get('kvfs_over_device_qd1')):>6} {fmt(row.get('kvfs_over_device_qd16')):>6}")
+               f"{fmt(row.get('kvfs_over_device_qd1')):>6} {fmt(row.get('kvfs_over_device_qd16')):>6} "
+               f"{floors:>17}")
 
 
 def fmt(value):
@@ -666,7 +704,7 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
     binary = build_daemon()
     os.makedirs(workdir, exist_ok=True)
     root = Path(workdir) / f"kvfs-bench-netdev-{os.getpid()}"
-    results, namespaces_info = {}, {}
+    results, namespaces_info, floors_info = {}, {}, {}
     with bl.Teardown() as scratch:
         root.mkdir()
         if not keep:
@@ -685,12 +723,18 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
                                                        daemon_threads).start(teardown)
                                   for side in ("ext4", "kvfs")}
                     namespaces_info[str(latency)] = {side: ns.describe() for side, ns in namespaces.items()}
+                    floors = netdev_floor.make_floors(Namespace, binary, lat_root, -(-total // MiB) * MiB,
+                                                      daemon_threads)
+                    for floor in floors.values():
+                        floor.start(teardown)
+                    floors_info[str(latency)] = {name: netdev_floor.describe(floor)
+                                                 for name, floor in floors.items()}
                     bl.log("loop devices: " + ", ".join(f"{side} {ns.loop} dio={ns.dio}"
                                                         for side, ns in namespaces.items()))
                     for rep in range(repeat):
                         bl.log(f"{device_label(latency)}, repeat {rep + 1}/{repeat}")
                         expected = [None] * chunks
-                        runs.append(run_repeat(rep, lat_root, namespaces, contents, views, expected,
+                        runs.append(run_repeat(rep, lat_root, namespaces, floors, contents, views, expected,
                                                buffers, chunk_bytes, seed, kvfs_options, lmcache,
                                                sglang))
                 medians = compute_medians(runs, lmcache, sglang)
@@ -704,6 +748,10 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
         "bytes": total, "repeat": repeat, "writers": sp.WRITERS, "figures": sp.FIGURES,
         "device_size": dev_size, "kvfs_options": kvfs_options, "daemon": str(binary),
         "namespaces": namespaces_info,
+        "floors": floors_info,
+        "floor": "latencydev with latency 0 and no loop device, read through its mount: "
+                 "page_cache (opens without direct_io) and direct_io (opens with it); "
+                 "the cold passes only",
         "loop_dio": {lat: {side: info["dio"] for side, info in sides.items()}
                      for lat, sides in namespaces_info.items()},
         "lmcache": bool(lmcache), "lmcache_skipped": None if lmcache else lmcache_why,

@@ -9,10 +9,15 @@
  * direct-I/O mode on that file (losetup --direct-io=on) keeps many requests in
  * flight, and its throughput grows with queue depth as on NVMe-oF.
  *
- *   latencydev --size BYTES --latency-us N [--threads N] [--prefault] MOUNTPOINT
+ *   latencydev --size BYTES --latency-us N [--threads N] [--prefault] [--page-cache] MOUNTPOINT
  *
  * --prefault allocates all of the RAM at start, so that a first write to a
  * region costs no page faults in the daemon (a real device has no such cost).
+ *
+ * --page-cache opens the file without direct_io, so that buffered reads go
+ * through the kernel's page cache as on any FUSE filesystem.  With latency 0
+ * this is the FUSE floor of kvfs-bench netdev: a multi-threaded C server that
+ * does no work but copy from RAM, read with the benchmark's own reader passes.
  *
  * Runs in the foreground.  Prints "mounted" on stdout once mounted, then an
  * "init ..." line with what it asked the kernel for once the kernel's INIT
@@ -52,6 +57,7 @@
 static unsigned char *ram;         /* the namespace's contents */
 static off_t dev_size;
 static long long latency_ns;
+static int page_cache;             /* --page-cache: opens without direct_io (the FUSE floor) */
 static struct timespec start_time;
 
 /* What SIGUSR1 reports; counted with atomics, from every serving thread. */
@@ -211,8 +217,10 @@ static void ld_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 		fuse_reply_err(req, ino == FUSE_ROOT_ID ? EISDIR : ENOENT);
 		return;
 	}
-	/* Every request reaches us, O_DIRECT or not: no page cache in between. */
-	fi->direct_io = 1;
+	/* Every request reaches us, O_DIRECT or not: no page cache in between.
+	 * With --page-cache, buffered readers go through the kernel's page cache
+	 * as they would on any FUSE filesystem (kvfs-bench netdev's FUSE floor). */
+	fi->direct_io = !page_cache;
 	fi->keep_cache = 0;
 	fuse_reply_open(req, fi);
 }
@@ -342,7 +350,7 @@ static long long parse_size(const char *text)
 
 static void usage(FILE *out)
 {
-	fprintf(out, "usage: latencydev --size BYTES[KMGT] --latency-us N [--threads N] [--prefault] MOUNTPOINT\n"
+	fprintf(out, "usage: latencydev --size BYTES[KMGT] --latency-us N [--threads N] [--prefault] [--page-cache] MOUNTPOINT\n"
 		"Serves one RAM file, MOUNTPOINT/" FILE_NAME ", answering every read and write\n"
 		"after N microseconds.  Unmount (or SIGTERM) to stop it; SIGUSR1 prints what\n"
 		"it served since the last SIGUSR1 (reads, writes, bytes, most requests in flight).\n");
@@ -355,6 +363,7 @@ int main(int argc, char *argv[])
 		{ "latency-us", required_argument, NULL, 'l' },
 		{ "threads", required_argument, NULL, 't' },
 		{ "prefault", no_argument, NULL, 'p' },
+		{ "page-cache", no_argument, NULL, 'c' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -368,12 +377,13 @@ int main(int argc, char *argv[])
 	long long size = -1, latency_us = -1, threads = 256;
 	int opt, ret = 1, prefault = 0;
 
-	while ((opt = getopt_long(argc, argv, "s:l:t:ph", options, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, "s:l:t:pch", options, NULL)) != -1) {
 		switch (opt) {
 		case 's': size = parse_size(optarg); break;
 		case 'l': latency_us = strtoll(optarg, NULL, 10); break;
 		case 't': threads = strtoll(optarg, NULL, 10); break;
 		case 'p': prefault = 1; break;
+		case 'c': page_cache = 1; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
