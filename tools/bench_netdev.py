@@ -36,7 +36,7 @@ loop devices are started; then, ``--repeat`` times:
   back cold: HiCacheFile on both sides, and on kvfs also the kvfs backend with
   ``batch_get_v1`` (kvfs/client/sglang.py);
 - both filesystems unmounted;
-- the FUSE floor (tools/netdev_floor.py): the cold passes again, through two more
+- the FUSE floor (tools/netdev_floor.py): the read passes again, through two more
   latencydev mounts with no latency and no loop device, one opening files without
   direct_io (as kvfs does by default) and one with it (as ``native_direct_io=on``
   does): what a FUSE server that does nothing but copy from RAM reaches here.
@@ -223,13 +223,17 @@ class Namespace:
         if self.proc is None:
             return
         deadline = time.monotonic() + timeout
-        while os.path.ismount(self.mountpoint) and self.proc.poll() is None:
+        unmounted = False
+        while is_mounted(self.mountpoint) and self.proc.poll() is None:
             proc = subprocess.run(["umount", str(self.mountpoint)], capture_output=True, text=True)
-            if proc.returncode == 0 or time.monotonic() > deadline:
+            unmounted = proc.returncode == 0
+            if unmounted or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        if self.proc.poll() is None and os.path.ismount(self.mountpoint):
-            bl.log(f"umount {self.mountpoint} kept failing; sending SIGTERM to latencydev")
+        if self.proc.poll() is None and not unmounted:
+            # umount kept failing, or the daemon was stopped before it had mounted
+            # (still faulting its RAM in).
+            bl.log(f"umount {self.mountpoint} did not end latencydev; sending it SIGTERM")
             self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=timeout)
@@ -238,7 +242,7 @@ class Namespace:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
-        if os.path.ismount(self.mountpoint):     # killed: its mount is left dangling
+        if is_mounted(self.mountpoint):     # killed: its mount is left dangling
             subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True)
         if self.proc.returncode != 0:
             raise bl.BenchError(f"latencydev exited {self.proc.returncode}: "
@@ -295,6 +299,13 @@ def make_namespace(name, binary, root, size, device, daemon_threads):
 
 def device_label(device):
     return "tmpfs" if device == "tmpfs" else f"{device} us"
+
+
+def is_mounted(path):
+    """Whether something is mounted on ``path``, dead FUSE mounts included (os.path.ismount
+    stats the path, which a dead FUSE mount answers with ENOTCONN, and says False)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
 
 
 def detach_loop(dev, timeout=30):
