@@ -638,7 +638,7 @@ def compute_table(medians):
             row[f"kvfs_over_{label}"] = ratio(k["gbps"], device[key]["gbps"])
             row[f"ext4_over_{label}"] = ratio(e["gbps"], device[key]["gbps"])
         for floor, figures in medians["floor"].items():
-            if name in figures:       # the FUSE floor (tools/netdev_floor.py): cold reads only
+            if name in figures:       # the FUSE floor (tools/netdev_floor.py): reads only
                 f = figures[name]
                 row[f"floor_{floor}_gbps"] = f["gbps"]
                 row[f"floor_{floor}_cpu_s_per_gb"] = f["cpu_s_per_gb"]
@@ -761,8 +761,8 @@ def run(latencies_us=(100, 300), chunks=16, chunk_bytes=32 * MiB, repeat=3, dev_
         "namespaces": namespaces_info,
         "floors": floors_info,
         "floor": "latencydev with latency 0 and no loop device, read through its mount: "
-                 "page_cache (opens without direct_io) and direct_io (opens with it); "
-                 "the cold passes only",
+                 "page_cache (opens without direct_io, keep_cache) and direct_io (opens with it); "
+                 "the read passes",
         "loop_dio": {lat: {side: info["dio"] for side, info in sides.items()}
                      for lat, sides in namespaces_info.items()},
         "lmcache": bool(lmcache), "lmcache_skipped": None if lmcache else lmcache_why,

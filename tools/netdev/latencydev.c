@@ -219,9 +219,10 @@ static void ld_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 	}
 	/* Every request reaches us, O_DIRECT or not: no page cache in between.
 	 * With --page-cache, buffered readers go through the kernel's page cache
-	 * as they would on any FUSE filesystem (kvfs-bench netdev's FUSE floor). */
+	 * as they would on any FUSE filesystem (kvfs-bench netdev's FUSE floor),
+	 * and what is cached stays across opens, as kvfs keeps a sealed file's. */
 	fi->direct_io = !page_cache;
-	fi->keep_cache = 0;
+	fi->keep_cache = page_cache;
 	fuse_reply_open(req, fi);
 }
 
