@@ -9,6 +9,8 @@ What is shown through the daemon's statistics, never through timing:
   Python, which finds the bad block and answers EIO);
 * a stalled Python side (a checkpoint blocking the event loop) does not stall
   native READs;
+* a file changed under a native READ in hand keeps its old blocks (pinned)
+  until that READ has been served from them;
 * rewrites, truncates, evictions and unlinks among native reads never yield
   old or wrong bytes (a stress test with several threads).
 """
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -159,13 +162,19 @@ def test_a_corrupt_block_is_eio_on_the_native_path(kvfs):
         os.close(fd)
 
 
-def test_a_stalled_python_side_does_not_stall_native_reads(tmp_path):
+def _mounted_with_stall_point(tmp_path, point):
+    """A mount whose daemon blocks at stall point ``point`` until gate/release exists."""
     gate = tmp_path / "gate"
     gate.mkdir()
     (tmp_path / "fs").mkdir()
-    fs = KvfsMount(tmp_path / "fs", mount_options=[NATIVE], env={crashpoints.STALL_ENV: f"checkpoint:{gate}"})
+    fs = KvfsMount(tmp_path / "fs", mount_options=[NATIVE], env={crashpoints.STALL_ENV: f"{point}:{gate}"})
     fs.mkfs()
     fs.mount()
+    return fs, gate
+
+
+def test_a_stalled_python_side_does_not_stall_native_reads(tmp_path):
+    fs, gate = _mounted_with_stall_point(tmp_path, "checkpoint")
     try:
         data = pattern(4, 4 * MiB)
         (fs.mnt / "chunk").write_bytes(data)
@@ -191,6 +200,57 @@ def test_a_stalled_python_side_does_not_stall_native_reads(tmp_path):
         assert not checkpoint.is_alive()
         stats = _native(fs)
         assert stats["native_reads"] >= 4 and stats["kernel_read_requests"] == 0
+    finally:
+        fs.teardown()
+
+
+def test_a_version_changed_under_a_native_read_keeps_its_blocks_until_the_read_is_served(tmp_path):
+    """A READ handed out before a change is served from the version it was handed out under:
+    its blocks stay pinned, so the rewrite cannot reuse their extents under it (a failed key
+    check would send that READ to pyfuse3 late, out of the kernel's order)."""
+    fs, gate = _mounted_with_stall_point(tmp_path, "native_read")
+    old, new = pattern(5, 4 * MiB), pattern(6, 4 * MiB)
+    path = fs.mnt / "chunk"
+    try:
+        path.write_bytes(old)
+        fs.flush()
+        drop_kernel_cache()
+        used = fs.stats()["used_bytes"]
+        assert used >= len(old)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)         # published at this open
+        buf = mmap.mmap(-1, MiB)
+        got = []
+        reader = threading.Thread(target=lambda: got.append(os.preadv(fd, [buf], 0)))
+        reader.start()
+        try:
+            # The plane holds this READ with the old version found, before its device read.
+            while not (gate / "stalled").exists():
+                reader.join(0.01)
+                assert reader.is_alive(), "the READ was served without reaching the stall point"
+            # Rewrite every block in place (no O_TRUNC: a truncate waits for direct I/O in flight).
+            with open(path, "r+b") as f:
+                f.write(new)
+            fs.flush()                  # durable: no content names the old blocks any more
+            held = fs.stats()
+            assert held["native_kept_versions"] == 1
+            assert held["used_bytes"] == 2 * used                  # old blocks pinned, new ones stored
+        finally:
+            (gate / "release").touch()
+            reader.join(120)
+            os.close(fd)
+        assert not reader.is_alive()
+        assert got == [MiB] and buf[:] == old[:MiB]              # the version it was handed out under
+        stats = fs.stats()
+        assert stats["native_reads"] == 1 and stats["native_verify_failures"] == 0
+        assert stats["kernel_read_requests"] == 0                 # not forwarded late
+        # Collected once the READ is served (at the latest on the next once-a-second pass):
+        # the pins are let go and the old blocks freed.
+        deadline = time.monotonic() + 60
+        while (stats["native_kept_versions"], stats["used_bytes"]) != (0, used):
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+            stats = fs.stats()
+        assert path.read_bytes() == new
     finally:
         fs.teardown()
 

@@ -131,11 +131,15 @@ def die(name: str) -> NoReturn:
 # ``KVFS_TEST_STALL=name:DIR``: at the first arrival at stall point ``name`` the
 # daemon creates DIR/stalled, then blocks the calling thread, on purpose, until
 # DIR/release exists. tests/test_native_reads.py stalls the event loop in a
-# checkpoint this way to show that the native read plane answers meanwhile.
+# checkpoint this way to show that the native read plane answers meanwhile, and
+# a native READ (in C, kvfs/fuse/readplane.c: its reader thread, not the loop)
+# to change a file under it.
 STALL_ENV = "KVFS_TEST_STALL"
 STALL_POINTS = {
     "checkpoint": "Durability.checkpoint: the event loop blocks before the checkpoint is cut "
                   "(a checkpoint that takes long)",
+    "native_read": "the native read plane: the first READ it serves waits after its file's version "
+                   "is found, before the device read (a READ in hand while the file changes)",
 }
 _stall: Optional[tuple[str, str]] = None
 
@@ -152,6 +156,16 @@ def arm_stall_from_environment() -> None:
         raise InvalidArgument(f"{STALL_ENV}={text!r}: expected POINT:DIR with POINT one of "
                               f"{', '.join(sorted(STALL_POINTS))} and DIR an existing directory")
     _stall = (name, where)
+
+
+def take_stall(name: str) -> Optional[str]:
+    """DIR if ``name`` is the armed stall point, which the caller now owns (disarmed here)."""
+    global _stall
+    if _stall is None or _stall[0] != name:
+        return None
+    where = _stall[1]
+    _stall = None
+    return where
 
 
 def stallpoint(name: str) -> None:

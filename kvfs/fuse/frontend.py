@@ -15,6 +15,13 @@ What Python owns here:
   (from the namespace, :meth:`Namespace.native_extents`) when it is opened for
   reading; :meth:`NativeReads.withdraw` takes them back on any change to the
   file and at its last close, always before that change is answered;
+* pins: each version's blocks are pinned in the namespace from its publication
+  until the front end has freed it. A withdrawn version stays for the READs
+  handed out before the withdrawal, and its blocks must not be reused under
+  them: a rewrite that freed them and wrote new blocks there would fail their
+  key check, and the READ would go to pyfuse3 late, out of the kernel's order.
+  :meth:`NativeReads.collect` lets go of what the front end has freed; it runs
+  at every publication, soon after a withdrawal and once a second;
 * the end: when the kernel ends the connection (umount, abort) the front end
   makes ``ended_fd`` readable, and :meth:`NativeReads.wait_ended` returns.
 
@@ -27,13 +34,15 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import itertools
 import logging
 import os
 import socket
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import trio
 
+from ..base import crashpoints
 from ..errors import InvalidArgument, KvfsError
 
 log = logging.getLogger(__name__)
@@ -81,7 +90,14 @@ class NativeReadStatistics:
     native_published_files: int
     native_publications: int
     native_withdrawals: int
+    native_kept_versions: int       # withdrawn versions kept (their blocks pinned) for READs in hand
     native_threads: int
+
+
+class BlockPins(Protocol):
+    """What the plane needs of the namespace (kvfs.namespace.Namespace implements it)."""
+    def hold_blocks(self, keys: Sequence[bytes]) -> None: ...
+    def let_go_blocks(self, keys: Sequence[bytes]) -> None: ...
 
 
 def mount_data(options: Iterable[str], dev_fd: int) -> tuple[str, str, int, str]:
@@ -110,9 +126,15 @@ def mount_data(options: Iterable[str], dev_fd: int) -> tuple[str, str, int, str]
 class NativeReads:
     """One mount served by the native front end and pyfuse3 together."""
 
+    COLLECT_EVERY = 1.0                 # seconds: versions freed after their last READ are let go
+
     def __init__(self, mountpoint: str, options: Iterable[str], *, device_fd: int, seed: int, secret: bytes,
-                 threads: int = DEFAULT_THREADS, max_background: int = DEFAULT_MAX_BACKGROUND) -> None:
+                 pins: BlockPins, threads: int = DEFAULT_THREADS,
+                 max_background: int = DEFAULT_MAX_BACKGROUND) -> None:
         self._module = load()
+        self._pins = pins
+        self._pinned: dict[int, list[bytes]] = {}    # version token -> the keys pinned for it
+        self._tokens = itertools.count(1)
         self.mountpoint = mountpoint
         self._options = set(options)
         self._threads = threads
@@ -147,7 +169,8 @@ class NativeReads:
                 raise OSError(err, f"mount {self.mountpoint}: {os.strerror(err)}")
             self._mounted = True
             self._plane = self._module.ReadPlane(self.dev_fd, self._front_fd, self._device_fd, self._seed,
-                                                 self._secret, self._threads, self._max_background)
+                                                 self._secret, self._threads, self._max_background,
+                                                 crashpoints.take_stall("native_read"))
         except BaseException:
             self._close_fds()
             raise
@@ -164,12 +187,42 @@ class NativeReads:
 
     def publish(self, ino: int, generation: int, size: int, block_size: int,
                 blocks: Sequence[Optional[tuple[int, int, bytes, bytes]]]) -> None:
-        if self._plane is not None:
-            self._plane.publish(ino, generation, size, block_size, blocks)
+        """Serve the file's READs natively; its blocks stay pinned while any READ may use them."""
+        if self._plane is None:
+            return
+        keys = [block[2] for block in blocks if block is not None]
+        token = next(self._tokens)
+        self._pins.hold_blocks(keys)
+        try:
+            new = self._plane.publish(ino, generation, size, block_size, blocks, token)
+        except BaseException:
+            self._pins.let_go_blocks(keys)
+            raise
+        if new:
+            self._pinned[token] = keys
+        else:                                   # this generation was published already
+            self._pins.let_go_blocks(keys)
+        self.collect()
 
     def withdraw(self, ino: int) -> None:
-        if self._plane is not None:
-            self._plane.withdraw(ino)
+        """Its READs go to pyfuse3 from now on. Called inside a content change: the pins
+        of what that frees are let go on the next turn of the event loop, not in it."""
+        if self._plane is not None and self._plane.withdraw(ino):
+            trio.lowlevel.current_trio_token().run_sync_soon(self.collect)
+
+    def collect(self) -> None:
+        """Let go of the pins of every version the front end has freed."""
+        if self._plane is None:
+            return
+        for token in self._plane.collect():
+            self._pins.let_go_blocks(self._pinned.pop(token))
+
+    async def keep_collecting(self) -> None:
+        """Once a second, collect: a version kept for a READ in hand is freed after it."""
+        while True:
+            await trio.sleep(self.COLLECT_EVERY)
+            if self._pinned:
+                self.collect()
 
     def unmount(self) -> None:
         """Lazily unmount (if still mounted), stop the threads, close the descriptors.
@@ -185,6 +238,10 @@ class NativeReads:
                     log.warning("lazy unmount of %s failed: %s", self.mountpoint, os.strerror(err))
         if self._plane is not None:
             self._plane.stop()
+            self.collect()
+            for keys in self._pinned.values():      # no READ is served any more
+                self._pins.let_go_blocks(keys)
+            self._pinned.clear()
         self._close_fds()
 
     def _close_fds(self) -> None:
@@ -198,11 +255,17 @@ class NativeReads:
     def raw_statistics(self) -> dict[str, int]:
         return {} if self._plane is None else self._plane.statistics()
 
+    # NativeReadStatistics field -> the front end's counter (readplane.c's statistics()).
+    _COUNTERS = {"native_reads": "native_reads", "native_read_bytes": "native_bytes",
+                 "native_device_bytes": "native_device_bytes", "native_forwarded_reads": "forwarded_reads",
+                 "native_unpublished_reads": "unpublished_reads",
+                 "native_verify_failures": "native_verify_failures",
+                 "native_device_errors": "native_device_errors",
+                 "native_forwarded_requests": "forwarded_requests", "native_forwards_queued": "forwards_queued",
+                 "native_published_files": "published_files", "native_publications": "publications",
+                 "native_withdrawals": "withdrawals", "native_kept_versions": "kept_versions",
+                 "native_threads": "threads"}
+
     def statistics(self) -> NativeReadStatistics:
         s = self.raw_statistics()
-        return NativeReadStatistics(
-            s.get("native_reads", 0), s.get("native_bytes", 0), s.get("native_device_bytes", 0),
-            s.get("forwarded_reads", 0),
-            s.get("unpublished_reads", 0), s.get("native_verify_failures", 0), s.get("native_device_errors", 0),
-            s.get("forwarded_requests", 0), s.get("forwards_queued", 0), s.get("published_files", 0),
-            s.get("publications", 0), s.get("withdrawals", 0), s.get("threads", 0))
+        return NativeReadStatistics(**{field: s.get(name, 0) for field, name in self._COUNTERS.items()})

@@ -51,6 +51,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -90,12 +91,15 @@ static const uint8_t zeros[ZERO_CHUNK];
  * the file's content. A withdrawn version (until set) stays a while for READs
  * that were handed out before the change but looked up after it: answered
  * with the content they would have got from pyfuse3, which reads requests in
- * order (kvfs/namespace/truncation.py has the race this keeps closed). */
+ * order (kvfs/namespace/truncation.py has the race this keeps closed).
+ * Python pins a version's blocks under its `token` while the version may be
+ * read (kvfs/fuse/frontend.py): a withdrawn version's extents are not reused
+ * until collect_versions() has freed it and handed its token back. */
 struct published {
     struct published *next;
     struct published *next_withdrawn;  /* the FIFO of withdrawn versions, oldest first */
     uint64_t from, until;               /* uniques: handed out when published / withdrawn */
-    uint64_t nodeid, generation, size;
+    uint64_t nodeid, generation, size, token;
     uint32_t block_size, nblocks;
     struct kvfs_block_check blocks[];   /* in file order; dev_off == HOLE: zeros */
 };
@@ -147,6 +151,12 @@ typedef struct {
     uint64_t published_files;           /* live versions */
     uint64_t kept_versions;             /* withdrawn versions still kept */
     struct published *withdrawn_head, *withdrawn_tail;
+    uint64_t *freed_tokens;             /* tokens of the versions freed since Python last asked */
+    size_t nfreed, freed_cap;
+    /* Tests only (kvfs/base/crashpoints.py, stall point "native_read"): the first
+     * native READ waits, its version in hand, until stall_dir/release exists. */
+    atomic_int stall_armed;
+    char stall_dir[4096];
     _Atomic uint64_t handed;            /* the highest unique a reader has read */
     _Atomic uint64_t *busy;             /* per reader: the unique it is serving, 0 when idle */
     /* Forwarding in the kernel's order (see forward()): one reader at a time
@@ -334,7 +344,9 @@ static void *notifier_main(void *arg)
  * decided as soon as its published version is found (serve_read), so
  * forwarding never waits for a device read. One exception is left: a native
  * READ whose device read or check fails goes to pyfuse3 late, possibly after
- * later requests (a damaged device: pyfuse3 reads and checks the block again). */
+ * later requests (a damaged device: pyfuse3 reads and checks the block again).
+ * A change under a READ in hand cannot cause that: the version's blocks stay
+ * pinned until it is freed (see struct published). */
 
 static void order_mark(Plane *p, int reader, uint64_t unique)
 {
@@ -456,6 +468,19 @@ static struct published *find_for(Plane *p, uint64_t nodeid, uint64_t unique)
 }
 
 /* Serve a READ natively: 1 if answered, 0 if it must go to pyfuse3. */
+/* The test stall point: say so in stall_dir/stalled, then wait for stall_dir/release. */
+static void stall_here(Plane *p)
+{
+    char path[sizeof p->stall_dir];
+    snprintf(path, sizeof path, "%s/stalled", p->stall_dir);
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd >= 0)
+        close(fd);
+    snprintf(path, sizeof path, "%s/release", p->stall_dir);
+    while (access(path, F_OK) != 0 && !atomic_load(&p->stopping))
+        usleep(10000);
+}
+
 static int serve_read(Plane *p, int fd, int reader, const struct fuse_in_header *in, size_t len,
                       struct reader_state *s)
 {
@@ -494,6 +519,8 @@ static int serve_read(Plane *p, int fd, int reader, const struct fuse_in_header 
     }
     pthread_rwlock_unlock(&p->table_lock);
     order_clear(p, reader);             /* decided: later requests need not wait for the device */
+    if (atomic_load_explicit(&p->stall_armed, memory_order_relaxed) && atomic_exchange(&p->stall_armed, 0))
+        stall_here(p);
 
     size_t nreads = 0;
     for (size_t i = 0; i < nb; i++) {
@@ -701,14 +728,23 @@ static void wake_handler(int sig) { (void)sig; }
 
 static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"dev_fd", "sock_fd", "device_fd", "seed", "secret", "threads", "max_background", NULL};
+    static char *names[] = {"dev_fd", "sock_fd", "device_fd", "seed", "secret", "threads", "max_background",
+                            "stall_dir", NULL};
     unsigned long long seed;
-    const char *secret;
+    const char *secret, *stall_dir = NULL;
     Py_ssize_t secret_len;
     int threads, max_background;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiKy#ii", names, &p->dev_fd, &p->sock_fd, &p->device_fd,
-                                     &seed, &secret, &secret_len, &threads, &max_background))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiKy#ii|z", names, &p->dev_fd, &p->sock_fd, &p->device_fd,
+                                     &seed, &secret, &secret_len, &threads, &max_background, &stall_dir))
         return -1;
+    if (stall_dir != NULL && (strlen(stall_dir) > sizeof p->stall_dir - 16 || !*stall_dir)) {
+        PyErr_SetString(PyExc_ValueError, "stall_dir is too long or empty");
+        return -1;
+    }
+    if (stall_dir != NULL) {
+        strcpy(p->stall_dir, stall_dir);
+        atomic_store(&p->stall_armed, 1);
+    }
     if (kvfs_key_base_init(&p->keys, seed, (const uint8_t *)secret, (size_t)secret_len) < 0) {
         PyErr_SetString(PyExc_ValueError, "the key secret is at most 32 bytes");
         return -1;
@@ -915,6 +951,17 @@ static void collect_versions(Plane *p)
     }
     while (p->withdrawn_head && p->withdrawn_head->until < oldest_busy) {
         struct published *f = p->withdrawn_head;
+        if (p->nfreed == p->freed_cap) {
+            /* Its token must reach Python, or its pins would stay for ever: on no
+             * memory it stays kept, and the next collection tries again. */
+            size_t cap = p->freed_cap ? 2 * p->freed_cap : 64;
+            uint64_t *grown = realloc(p->freed_tokens, cap * sizeof *grown);
+            if (grown == NULL)
+                return;
+            p->freed_tokens = grown;
+            p->freed_cap = cap;
+        }
+        p->freed_tokens[p->nfreed++] = f->token;
         p->withdrawn_head = f->next_withdrawn;
         if (p->withdrawn_head == NULL)
             p->withdrawn_tail = NULL;
@@ -926,10 +973,10 @@ static void collect_versions(Plane *p)
 
 static PyObject *Plane_publish(Plane *p, PyObject *args)
 {
-    unsigned long long nodeid, generation, size;
+    unsigned long long nodeid, generation, size, token;
     unsigned int block_size;
     PyObject *blocks;
-    if (!PyArg_ParseTuple(args, "KKKIO", &nodeid, &generation, &size, &block_size, &blocks))
+    if (!PyArg_ParseTuple(args, "KKKIOK", &nodeid, &generation, &size, &block_size, &blocks, &token))
         return NULL;
     PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
     if (seq == NULL)
@@ -958,6 +1005,7 @@ static PyObject *Plane_publish(Plane *p, PyObject *args)
     Py_DECREF(seq);
     f->nodeid = nodeid;
     f->generation = generation;
+    f->token = token;
     f->size = size;
     f->block_size = block_size;
     f->nblocks = (uint32_t)n;
@@ -966,7 +1014,7 @@ static PyObject *Plane_publish(Plane *p, PyObject *args)
     if (live != NULL && live->generation == generation && live->size == size) {
         pthread_rwlock_unlock(&p->table_lock);     /* already published as it is */
         free(f);
-        Py_RETURN_NONE;
+        Py_RETURN_FALSE;
     }
     withdraw_live(p, nodeid);
     f->from = atomic_load(&p->handed);
@@ -978,7 +1026,7 @@ static PyObject *Plane_publish(Plane *p, PyObject *args)
     collect_versions(p);
     pthread_rwlock_unlock(&p->table_lock);
     COUNT(p, publications, 1);
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Plane_withdraw(Plane *p, PyObject *arg)
@@ -993,6 +1041,27 @@ static PyObject *Plane_withdraw(Plane *p, PyObject *arg)
     if (removed)
         COUNT(p, withdrawals, 1);
     return PyBool_FromLong(removed);
+}
+
+/* Collect what no READ can still need; the tokens of every version freed since
+ * the last call, so that Python lets go of their pins. */
+static PyObject *Plane_collect(Plane *p, PyObject *noargs)
+{
+    pthread_rwlock_wrlock(&p->table_lock);
+    collect_versions(p);
+    PyObject *tokens = PyList_New((Py_ssize_t)p->nfreed);
+    for (size_t i = 0; tokens != NULL && i < p->nfreed; i++) {
+        PyObject *t = PyLong_FromUnsignedLongLong(p->freed_tokens[i]);
+        if (t == NULL) {
+            Py_CLEAR(tokens);
+            break;
+        }
+        PyList_SET_ITEM(tokens, (Py_ssize_t)i, t);
+    }
+    if (tokens != NULL)
+        p->nfreed = 0;                              /* else they are handed over next time */
+    pthread_rwlock_unlock(&p->table_lock);
+    return tokens;
 }
 
 #define ADD_COUNTER(name) \
@@ -1050,6 +1119,7 @@ static void Plane_dealloc(Plane *p)
     free(p->readers);
     free((void *)p->busy);
     free(p->undecided);
+    free(p->freed_tokens);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -1057,8 +1127,12 @@ static PyMethodDef Plane_methods[] = {
     {"start", (PyCFunction)Plane_start, METH_NOARGS, "Clone the descriptors and start the threads."},
     {"stop", (PyCFunction)Plane_stop, METH_NOARGS, "Stop and join every thread (closes the cloned descriptors)."},
     {"publish", (PyCFunction)Plane_publish, METH_VARARGS,
-     "publish(nodeid, generation, size, block_size, blocks): serve this file's READs natively.\n"
-     "blocks: per block in file order (device offset, length, key, salt) or None for a hole."},
+     "publish(nodeid, generation, size, block_size, blocks, token): serve this file's READs natively.\n"
+     "blocks: per block in file order (device offset, length, key, salt) or None for a hole.\n"
+     "True if published; False if this generation already was (the token is not kept).\n"
+     "collect() hands the token back once the version is freed."},
+    {"collect", (PyCFunction)Plane_collect, METH_NOARGS,
+     "Free the withdrawn versions no READ in hand can need; the tokens of every version freed since the last call."},
     {"withdraw", (PyCFunction)Plane_withdraw, METH_O, "withdraw(nodeid): READs of it go to pyfuse3 again; True if it was published."},
     {"statistics", (PyCFunction)Plane_statistics, METH_NOARGS, "The counters, as a dict."},
     {NULL}

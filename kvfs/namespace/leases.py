@@ -183,6 +183,14 @@ class BypassLeases:
         """End the leases ``ids``; per id, whether what was read under it is still the file's content."""
         return self.leases.end(ids)
 
+    # The native read plane's pins (kvfs/fuse/frontend.py): the blocks of a version it may
+    # still read stay allocated, and unreused, until it lets go of them.
+    def hold_blocks(self, keys: Sequence[bytes]) -> None:
+        self.cache.hold_blocks(keys)
+
+    def let_go_blocks(self, keys: Sequence[bytes]) -> None:
+        self.cache.let_go_blocks(keys)
+
     @staticmethod
     def _lease_ready(inode: Inode) -> bool:
         data = inode.data

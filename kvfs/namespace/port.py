@@ -110,6 +110,9 @@ class NamespacePort(Protocol):
     # lease, and the lease's end, which says per lease whether the file is unchanged since.
     def lease_blocks(self, ino: int) -> Awaitable[Optional[LeaseGrant]]: ...   # seals a closed file first
     def end_leases(self, ids: Sequence[int]) -> list[bool]: ...
+    # The native read plane pins the blocks of every version it may read (stored blocks only).
+    def hold_blocks(self, keys: Sequence[bytes]) -> None: ...
+    def let_go_blocks(self, keys: Sequence[bytes]) -> None: ...
 
     # The by-hash view.
     def lookup_view(self, name: bytes, caller: Any) -> Awaitable[int]: ...   # counts one lookup; NotFound

@@ -241,6 +241,7 @@ class Daemon:
                 nursery.start_soon(self._watch_signals)
                 if native is not None:
                     nursery.start_soon(self._watch_connection_end, native)
+                    nursery.start_soon(native.keep_collecting)
                 if self.fs.replayed.get("records"):
                     try:
                         await self.fs.ns.checkpoint()      # fold the replayed journal away
@@ -289,7 +290,8 @@ class Daemon:
             return None
         store = self.fs.store
         native = NativeReads(self.mountpoint, fuse_options, device_fd=os.dup(self.fs.device.fd),
-                             seed=store.hash_seed, secret=store.key_secret, threads=self.options.native_threads)
+                             seed=store.hash_seed, secret=store.key_secret, pins=self.fs.ns,
+                             threads=self.options.native_threads)
         native.mount()
         try:
             pyfuse3.init(ops, native.session_path, fuse_options)

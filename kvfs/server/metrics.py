@@ -139,6 +139,9 @@ METRICS = {
     "native_publications": ("kvfs_native_publications_total", COUNTER, "Files published to the native read plane."),
     "native_withdrawals": ("kvfs_native_withdrawals_total", COUNTER,
                            "Files withdrawn from it (a change, a writer, the last close)."),
+    "native_kept_versions": ("kvfs_native_kept_versions", GAUGE,
+                             "Withdrawn file versions the native read plane keeps, blocks pinned, "
+                             "for READs handed out before the change."),
     "native_threads": ("kvfs_native_threads", GAUGE, "Threads of the native read plane."),
     "leases_held": ("kvfs_leases_held", GAUGE, "Block-map leases bypass readers (kvfs.client) hold now."),
     "lease_bytes_held": ("kvfs_lease_held_bytes", GAUGE, "Bytes of the extents held leases name."),
