@@ -88,6 +88,10 @@ def test_a_sealed_files_reads_are_native_and_bit_exact(kvfs, direct):
     # The last close withdraws the file: the table holds open files only.
     assert after["native_published_files"] == 0
     assert after["native_withdrawals"] >= 1
+    # No page fill with the plane on (it would read the file through Python), but the
+    # same statistics as without it: tools read one schema.
+    stats = kvfs.stats()
+    assert stats["page_fills"] == 0 and stats["page_fill_bytes"] == 0
 
 
 def test_a_file_with_dirty_blocks_goes_the_python_way_until_sealed(kvfs):

@@ -25,7 +25,7 @@ from ..fuse.frontend import NativeReads
 from ..fuse.loop import RequestWait
 from ..fuse.ops import KvfsOperations
 from ..fuse.pagedrops import KernelPageDropper
-from ..fuse.pagefill import PageFiller
+from ..fuse.pagefill import PageFiller, PageFillStatistics
 from ..fuse.tierlookup import TierOperations
 from .metrics import MetricsServer
 from .opsstats import OpsStats
@@ -135,6 +135,10 @@ class Daemon:
         for kernel_pages in (self._page_dropper, self._page_filler, self._request_wait, self._native):
             if kernel_pages is not None:
                 stats.update(dataclasses.asdict(kernel_pages.statistics()))
+        if self._page_filler is None:
+            # Not filling (page_fill=off, or the native plane serves the READs): the
+            # counters stay, at 0, so that tools and dashboards read one schema.
+            stats.update(dict.fromkeys((f.name for f in dataclasses.fields(PageFillStatistics)), 0))
         if ops is not None and ops.block_maps is not None:      # bypass readers (kvfs.client)
             stats.update(dataclasses.asdict(ops.block_maps.statistics()))
         stats.update(dataclasses.asdict(self.fs.ns.leases.statistics()))
