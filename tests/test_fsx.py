@@ -271,6 +271,8 @@ def read_all(fd):
     # A 1 MiB cache holds 16 blocks: writes wait for flushes, and reads refetch evicted blocks.
     pytest.param("64K", MiB + 5 * KiB, ["cache_size=1M", "dirty_limit=512K"], 2,
                  id="64K-blocks-tiny-cache"),
+    # The native read plane answers the READs of sealed files (kvfs/fuse/readplane.c).
+    pytest.param(None, 4 * MiB + 333 * KiB, ["native_reads=on"], 3, id="1M-blocks-native"),
 ])
 def test_fsx(kvfs_factory, block_size, max_len, options, seed_offset):
     fs = kvfs_factory(size="1G", block_size=block_size, mount_options=options)
@@ -278,15 +280,19 @@ def test_fsx(kvfs_factory, block_size, max_len, options, seed_offset):
     fs.mount()
     stats = fs.stats()
     bs = stats["block_size"]
-    if options:
+    native = "native_reads=on" in options
+    if options and not native:
         assert stats["cache_size"] == MiB, stats
     assert bs == (64 * KiB if block_size else MiB)
     x = Exerciser(fs.mnt, bs, max_len, SEED + seed_offset)
+    served_natively = 0
     for round_ in range(ROUNDS):
         x.run(OPS)
         x.close_all()
         x.verify_files(f"after round {round_ + 1}")
         fs.flush()
+        if native:
+            served_natively += fs.stats()["native_reads"]
         fs.remount()
         x.verify_files(f"after flush and remount, round {round_ + 1}")
     # Every kind of operation ran often enough for the test to mean something.
@@ -294,4 +300,6 @@ def test_fsx(kvfs_factory, block_size, max_len, options, seed_offset):
                  "read_other_fd", "second_fd_read"):
         assert x.counts[kind] >= 20, dict(x.counts)
     assert any(f.model for f in x.files)
+    if native:
+        assert served_natively > 0, "the native read plane answered no READ"
     print(f"fsx seed {x.seed}: {sum(x.counts.values())} operations {dict(x.counts)}")

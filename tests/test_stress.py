@@ -25,8 +25,8 @@ Afterwards: every name holds exactly its last content; the block statistics
 files need; umount, fsck clean (refcounts against the namespace), remount,
 the same again.
 
-``test_stress[plain]`` runs 45 s, ``test_stress[faults]`` 30 s with the
-fault-injecting device at a low rate (read delays, read EIO and short reads
+``test_stress[plain]`` runs 45 s, ``test_stress[native]`` 30 s with the native
+read plane on, ``test_stress[faults]`` 30 s with the fault-injecting device at a low rate (read delays, read EIO and short reads
 that io_retry absorbs, write delays): readers must never see EIO, wrong bytes
 or short reads, and no block may fail its checksum. One JSON summary line per
 run (``pytest -s``) gives the operations by kind and the faults injected. For
@@ -101,13 +101,16 @@ def abort_connection(fs, conn):
     fs.kill9()
 
 
-@pytest.mark.parametrize("faulty, seconds", [
-    pytest.param(False, 45, id="plain"),     # 90 and 60 s took CI past 30 minutes
-    pytest.param(True, 30, id="faults"),
+@pytest.mark.parametrize("faulty, seconds, native", [
+    pytest.param(False, 45, False, id="plain"),     # 90 and 60 s took CI past 30 minutes
+    pytest.param(True, 30, False, id="faults"),
+    # The native read plane answers the READs of sealed files (kvfs/fuse/readplane.c);
+    # the fault-injecting device keeps reads in Python, so it runs without faults.
+    pytest.param(False, 30, True, id="native"),
 ])
-def test_stress(kvfs_factory, faulty, seconds):
+def test_stress(kvfs_factory, faulty, seconds, native):
     seconds = float(SECONDS or seconds)
-    options = OPTIONS + (["io_retry=3"] if faulty else [])
+    options = OPTIONS + (["io_retry=3"] if faulty else []) + (["native_reads=on"] if native else [])
     fs = kvfs_factory(size="4G", block_size="64K", mount_options=options,
                       faults=LOW_FAULT_RATE if faulty else None)
     fs.mkfs()
@@ -126,7 +129,7 @@ def test_stress(kvfs_factory, faulty, seconds):
              "writers_throttled": stats["writers_throttled"], "dedup_hits": stats["dedup_hits"],
              **{k: stats.get(k) for k in ("kernel_page_drops", "kernel_page_drops_late",
                                           "kernel_page_drops_last_late", "kernel_page_drops_failed")}}
-    print(stress.summary("faults" if faulty else "plain", elapsed, extra))
+    print(stress.summary("faults" if faulty else "native" if native else "plain", elapsed, extra))
     assert not stress.failures, (f"{len(stress.failures)} failure(s), the first ones:\n"
                                  + "\n".join(stress.failures[:5]))
     # No bit flips in the plan: a checksum failure would be a block read from the wrong place.
@@ -137,6 +140,9 @@ def test_stress(kvfs_factory, faulty, seconds):
         assert stress.counts[kind] >= 20, dict(stress.counts)
     if faulty:
         assert all(stats["faults_injected"][k] > 0 for k in ("delay", "eio", "short")), stats
+    if native:      # the plane served and withdrew, and nothing failed its check
+        assert stats["native_reads"] > 0 and stats["native_withdrawals"] > 0, stats
+        assert stats["native_verify_failures"] == 0, stats
     final = stress.history.final()
     assert final, "the run left no file at all"
     fs.flush()
