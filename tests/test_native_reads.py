@@ -35,10 +35,10 @@ from kvfs.fuse.frontend import NativeModuleMissing, load, mount_data
 from kvfs.errors import InvalidArgument
 
 from filedata import pattern
-from kvfsmount import KvfsMount, drop_kernel_cache
+from kvfsmount import KvfsMount, drop_kernel_cache, run_tool
 
 MiB = 1 << 20
-NATIVE = "native_reads=on"          # off by default while forwarding can reorder requests
+NATIVE = "native_reads=on"          # said outright: the default (auto) is on only as root
 
 
 @pytest.fixture
@@ -300,6 +300,33 @@ def test_native_reads_off_serves_everything_through_pyfuse3(kvfs_factory):
     stats = fs.stats()
     assert not any(k.startswith("native_") for k in stats), "native_reads=off still started the plane"
     assert stats["kernel_read_requests"] >= 2
+
+
+@pytest.mark.parametrize("option", [[], ["native_reads=auto"]], ids=["default", "auto"])
+def test_a_root_mount_has_the_plane_by_default(kvfs_factory, option):
+    """auto, the default: the daemon runs as root here, so the plane answers READs."""
+    assert os.geteuid() == 0
+    fs = kvfs_factory(mount_options=option)
+    fs.mkfs()
+    fs.mount()
+    data = pattern(8, 2 * MiB)
+    (fs.mnt / "chunk").write_bytes(data)
+    fs.flush()
+    drop_kernel_cache()
+    assert _read_all(fs.mnt / "chunk", direct=True) == data
+    stats = fs.stats()
+    assert stats["native_threads"] == 4 and stats["native_reads"] >= 2, stats
+    assert stats["kernel_read_requests"] == 0, "pyfuse3 answered a READ of a sealed file"
+
+
+@pytest.mark.parametrize("value, why", [("yes", "use on, off or auto"), ("ON", "use on, off or auto"),
+                                        ("", "needs a value")])
+def test_native_reads_takes_on_off_or_auto_only(kvfs_factory, value, why):
+    fs = kvfs_factory()
+    fs.mkfs()
+    proc = run_tool("mount", fs.device, fs.mnt, "-o", f"native_reads={value}", check=False, timeout=120)
+    assert proc.returncode != 0 and why in proc.stderr, proc.stderr
+    assert not os.path.ismount(fs.mnt)
 
 
 def test_mount_data_takes_kvfs_options_and_refuses_others():

@@ -184,7 +184,11 @@ def parse_options(text):
                 opts.lease_seconds = check_lease_seconds(value)
             elif name == "bypass_group":
                 opts.bypass_group = _group(value)
-            elif name in ("page_fill", "request_poll", "native_reads", "native_direct_io"):
+            elif name == "native_reads":
+                if value not in ("on", "off", "auto"):
+                    raise ValueError("(use on, off or auto)")
+                opts.native_reads = None if value == "auto" else value == "on"
+            elif name in ("page_fill", "request_poll", "native_direct_io"):
                 if value not in ("on", "off"):
                     raise ValueError("(use on or off)")
                 setattr(opts, name, value == "on")
@@ -323,7 +327,7 @@ def main(argv):
                epilog="options: allow_other, cache_size=SIZE, dirty_limit=SIZE, read_depth=N, "
                       "flush_workers=N, commit_interval=SECONDS, read_ahead_kb=N, log=PATH, "
                       "by_hash=root|owner, dedup_groups=all|UID+UID:UID+UID (default: each uid its own dedup "
-                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off (default off), native_threads=N, native_direct_io=on|off (default off), lease_seconds=S (default 5), bypass_group=GROUP, "
+                      "domain), dedup_verify=off|bytes, page_fill=on|off (default on), request_poll=on|off (default on), native_reads=on|off|auto (default auto: on as root), native_threads=N, native_direct_io=on|off (default off), lease_seconds=S (default 5), bypass_group=GROUP, "
                       "high_watermark=PCT (default 90), low_watermark=PCT "
                       "(default 80), eviction_policy=s3fifo|lru|none, io_retry=SECONDS (default 10), "
                       "io_timeout=SECONDS (default 60, longer than io_retry), "

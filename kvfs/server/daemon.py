@@ -60,10 +60,10 @@ class MountOptions:
     mmp_interval: float = None        # multi-mount protection heartbeat, seconds; None: mmp_interval_for
     page_fill: bool = True            # fill the kernel's page cache at a cold open (kvfs/fuse/pagefill.py)
     request_poll: bool = True         # take queued FUSE requests without an epoll round trip (kvfs/fuse/loop.py)
-    # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py). Off by
-    # default: forwarded requests can reach pyfuse3 out of the kernel's order, which
-    # tests/test_otrunc_readers.py shows as zeros now and then (see docs/architecture.md).
-    native_reads: bool = False
+    # READs of sealed files answered in C beside pyfuse3 (kvfs/fuse/frontend.py). None
+    # (auto, the default): on when the daemon runs as root, which it needs to mount(2)
+    # /dev/fuse itself; otherwise pyfuse3 mounts alone (through fusermount3).
+    native_reads: bool = None
     native_threads: int = 4           # its threads, each on its own /dev/fuse descriptor
     native_direct_io: bool = False    # its read-only opens bypass the kernel's page cache
     tier: object = None               # kvfs.tier.options.TierOptions with tier=rados, else None
@@ -287,7 +287,12 @@ class Daemon:
 
     def _mount_native(self, ops, fuse_options):
         """Mount with the native read plane in front of pyfuse3 (None: pyfuse3 mounts alone)."""
-        if not self.options.native_reads or hasattr(self.fs.device, "injected"):
+        wanted = self.options.native_reads
+        if wanted is None:                      # auto: only root may mount(2) /dev/fuse itself
+            wanted = os.geteuid() == 0
+            if not wanted:
+                log.info("native_reads=auto: not root, so pyfuse3 serves every READ")
+        if not wanted or hasattr(self.fs.device, "injected"):
             # A fault-injecting test device (kvfs/device/testfaults.py) fails reads in
             # Python; native reads of the same descriptor would not see its faults.
             pyfuse3.init(ops, self.mountpoint, fuse_options)
