@@ -288,8 +288,9 @@ def test_native_direct_io_sends_every_read_to_the_plane_and_mmap_still_works(kvf
     assert second["kernel_read_requests"] == 0
 
 
-def test_native_reads_off_serves_everything_through_pyfuse3(kvfs_factory):
-    fs = kvfs_factory(mount_options=["native_reads=off"])
+def _cold_chunk_read_with(kvfs_factory, options):
+    """Mount with ``options``, write a sealed 2 MiB chunk, read it cold with O_DIRECT; the stats."""
+    fs = kvfs_factory(mount_options=options)
     fs.mkfs()
     fs.mount()
     data = pattern(5, 2 * MiB)
@@ -297,24 +298,20 @@ def test_native_reads_off_serves_everything_through_pyfuse3(kvfs_factory):
     fs.flush()
     drop_kernel_cache()
     assert _read_all(fs.mnt / "chunk", direct=True) == data
-    stats = fs.stats()
+    return fs.stats()
+
+
+def test_native_reads_off_serves_everything_through_pyfuse3(kvfs_factory):
+    stats = _cold_chunk_read_with(kvfs_factory, ["native_reads=off"])
     assert not any(k.startswith("native_") for k in stats), "native_reads=off still started the plane"
     assert stats["kernel_read_requests"] >= 2
 
 
-@pytest.mark.parametrize("option", [[], ["native_reads=auto"]], ids=["default", "auto"])
-def test_a_root_mount_has_the_plane_by_default(kvfs_factory, option):
+@pytest.mark.parametrize("options", [[], ["native_reads=auto"]], ids=["default", "auto"])
+def test_a_root_mount_has_the_plane_by_default(kvfs_factory, options):
     """auto, the default: the daemon runs as root here, so the plane answers READs."""
     assert os.geteuid() == 0
-    fs = kvfs_factory(mount_options=option)
-    fs.mkfs()
-    fs.mount()
-    data = pattern(8, 2 * MiB)
-    (fs.mnt / "chunk").write_bytes(data)
-    fs.flush()
-    drop_kernel_cache()
-    assert _read_all(fs.mnt / "chunk", direct=True) == data
-    stats = fs.stats()
+    stats = _cold_chunk_read_with(kvfs_factory, options)
     assert stats["native_threads"] == 4 and stats["native_reads"] >= 2, stats
     assert stats["kernel_read_requests"] == 0, "pyfuse3 answered a READ of a sealed file"
 
