@@ -1,11 +1,12 @@
 """The native read plane, Python side: kvfs mounts itself and puts a C front end on /dev/fuse.
 
 Part of the FUSE layer; kvfs/server/daemon.py uses it when ``native_reads`` is
-on (the default). The front end (kvfs/fuse/readplane.c) reads every request
-from the kernel on several threads, answers READs of published files itself
-(device read, key check, reply) and hands everything else to pyfuse3, which
-is given one end of a SOCK_SEQPACKET socketpair as its device ("/dev/fd/N":
-libfuse then uses that descriptor and mounts nothing).
+on (``auto``, the default, turns it on for a daemon running as root). The front
+end (kvfs/fuse/readplane.c) reads every request from the kernel on several
+threads, answers READs of published files itself (device read, key check,
+reply) and hands everything else to pyfuse3, which is given one end of a
+SOCK_SEQPACKET socketpair as its device ("/dev/fd/N": libfuse then uses that
+descriptor and mounts nothing).
 
 What Python owns here:
 
