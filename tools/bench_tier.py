@@ -246,11 +246,13 @@ def _round(a, b, n, chunks, chunk_bytes, readers, client, floor):
         "fetched_bytes": cold["tier_fetched_bytes"] - before["tier_fetched_bytes"],
         "verify_failures": after["tier_verify_failures"] - before["tier_verify_failures"],
         # Both reads: how many chunks the client read from B's device itself, the READ
-        # requests that carried bytes through FUSE, and the bytes B's opens placed in
-        # the kernel's page cache (plain reads then send no READ at all).
+        # requests that carried bytes through pyfuse3, the bytes B's opens placed in the
+        # kernel's page cache (pyfuse3 alone: plain reads then send no READ at all), and
+        # the bytes the native read plane answered (on by default for root mounts).
         "block_maps_served": after["block_maps_served"] - before["block_maps_served"],
         "fuse_read_requests": after["kernel_read_requests"] - before["kernel_read_requests"],
         "page_fill_bytes": after["page_fill_bytes"] - before["page_fill_bytes"],
+        "native_read_bytes": after.get("native_read_bytes", 0) - before.get("native_read_bytes", 0),
     }
 
 
