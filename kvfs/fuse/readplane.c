@@ -467,7 +467,6 @@ static struct published *find_for(Plane *p, uint64_t nodeid, uint64_t unique)
     return NULL;
 }
 
-/* Serve a READ natively: 1 if answered, 0 if it must go to pyfuse3. */
 /* The test stall point: say so in stall_dir/stalled, then wait for stall_dir/release. */
 static void stall_here(Plane *p)
 {
@@ -481,6 +480,7 @@ static void stall_here(Plane *p)
         usleep(10000);
 }
 
+/* Serve a READ natively: 1 if answered, 0 if it must go to pyfuse3. */
 static int serve_read(Plane *p, int fd, int reader, const struct fuse_in_header *in, size_t len,
                       struct reader_state *s)
 {
@@ -737,11 +737,11 @@ static int Plane_init(Plane *p, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiKy#ii|z", names, &p->dev_fd, &p->sock_fd, &p->device_fd,
                                      &seed, &secret, &secret_len, &threads, &max_background, &stall_dir))
         return -1;
-    if (stall_dir != NULL && (strlen(stall_dir) > sizeof p->stall_dir - 16 || !*stall_dir)) {
-        PyErr_SetString(PyExc_ValueError, "stall_dir is too long or empty");
-        return -1;
-    }
     if (stall_dir != NULL) {
+        if (strlen(stall_dir) > sizeof p->stall_dir - 16 || !*stall_dir) {
+            PyErr_SetString(PyExc_ValueError, "stall_dir is too long or empty");
+            return -1;
+        }
         strcpy(p->stall_dir, stall_dir);
         atomic_store(&p->stall_armed, 1);
     }
