@@ -281,10 +281,9 @@ def test_the_floor_daemon_opens_with_or_without_the_page_cache(tmp_path, page_ca
     """--page-cache answers opens without direct_io: a second buffered read is the kernel's."""
     benchlib, _, netdev = load()
     with benchlib.Teardown() as teardown:
-        ns = netdev.Namespace("t", netdev.build_daemon(), tmp_path, 16 * MiB, 0)
-        ns.extra_args = ("--page-cache",) if page_cache else ()
-        ns.attach = lambda teardown: None                   # through the mount, as the floor reads
-        ns.start(teardown)
+        # Read through the mount, no loop device, as the floor reads.
+        ns = netdev.Namespace("t", netdev.build_daemon(), tmp_path, 16 * MiB, 0, loop=False,
+                              extra_args=("--page-cache",) if page_cache else ()).start(teardown)
         data = os.urandom(4 * MiB)
         fd = os.open(ns.file, os.O_RDWR)
         try:

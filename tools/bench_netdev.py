@@ -126,12 +126,15 @@ def build_daemon(build_dir=None):
 
 
 class Namespace:
-    """One latencydev daemon and the direct-I/O loop device on its file."""
+    """One latencydev daemon and the direct-I/O loop device on its file.
 
-    extra_args = ()                    # more latencydev options (the FUSE floor's --page-cache)
+    ``loop=False`` leaves the loop device out (the FUSE floor reads through the
+    mount); ``extra_args`` are more latencydev options (the floor's --page-cache)."""
 
-    def __init__(self, name, binary, root, size, latency_us, threads=DAEMON_THREADS):
+    def __init__(self, name, binary, root, size, latency_us, threads=DAEMON_THREADS, *, loop=True,
+                 extra_args=()):
         self.name = name
+        self.with_loop, self.extra_args = loop, tuple(extra_args)
         self.mountpoint = Path(root) / f"ns-{name}"
         self.file = self.mountpoint / DAEMON_FILE
         self.log_path = Path(root) / f"ns-{name}.log"
@@ -175,7 +178,8 @@ class Namespace:
                      (item.split("=") for item in init_line.split()[1:])}
         if not self.file.exists():
             raise bl.BenchError(f"latencydev is up but {self.file} is missing")
-        self.attach(teardown)
+        if self.with_loop:
+            self.attach(teardown)
         return self
 
     def attach(self, teardown):
@@ -301,11 +305,16 @@ def device_label(device):
     return "tmpfs" if device == "tmpfs" else f"{device} us"
 
 
+def mount_targets():
+    """Every mount point, from /proc/self/mountinfo: dead FUSE mounts too."""
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f]
+
+
 def is_mounted(path):
     """Whether something is mounted on ``path``, dead FUSE mounts included (os.path.ismount
     stats the path, which a dead FUSE mount answers with ENOTCONN, and says False)."""
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == str(path) for line in f)
+    return str(path) in mount_targets()
 
 
 def detach_loop(dev, timeout=30):
@@ -319,8 +328,7 @@ def detach_loop(dev, timeout=30):
 
 def remove_scratch(root):
     """rm -r the scratch directory, unless something is still mounted under it."""
-    with open("/proc/self/mountinfo") as f:
-        mounted = [line.split()[4] for line in f if line.split()[4].startswith(f"{root}/")]
+    mounted = [target for target in mount_targets() if target.startswith(f"{root}/")]
     if mounted:
         raise bl.BenchError(f"not removing {root}: still mounted there: {mounted}")
     shutil.rmtree(root, ignore_errors=True)

@@ -145,22 +145,26 @@ def write_pass(paths, contents):
     return timing, sum(written)
 
 
-def read_pass(paths, buffers, file_bytes, threads, odirect):
-    """Each file read whole with one readv() into its own page-aligned buffer.
+def read_pass(paths, buffers, file_bytes, threads, odirect, offsets=None):
+    """Each file read whole with one preadv() into its own page-aligned buffer,
+    through an open of its own, from offset 0 or from ``offsets[i]`` (the FUSE
+    floor of tools/netdev_floor.py keeps its files end to end in one).
     With O_DIRECT the request is rounded up to 4 KiB; the call must still
     return exactly the file size.  Returns (Timed, bytes read)."""
     flags = os.O_RDONLY | (os.O_DIRECT if odirect else 0)
     want = bl.round_up(file_bytes) if odirect else file_bytes
+    offsets = offsets or [0] * len(paths)
     got = [0] * len(paths)
 
     def read_one(_state, index):
         fd = os.open(paths[index], flags)
         try:
-            got[index] = os.readv(fd, [memoryview(buffers[index])[:want]])
+            got[index] = os.preadv(fd, [memoryview(buffers[index])[:want]], offsets[index])
         finally:
             os.close(fd)
         if got[index] != file_bytes:
-            raise bl.ShortIO(f"readv({paths[index]}) returned {got[index]} of {file_bytes} bytes")
+            raise bl.ShortIO(f"preadv({paths[index]}, offset {offsets[index]}) returned {got[index]} "
+                             f"of {file_bytes} bytes")
 
     timing = bl.run_parallel(range(len(paths)), threads, read_one)
     return timing, sum(got)

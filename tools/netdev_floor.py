@@ -25,8 +25,7 @@ import bench_softpath as sp
 import benchlib as bl
 
 FLOORS = {"page_cache": ("--page-cache",), "direct_io": ()}
-FIGURES = [(name, temperature, odirect, threads)
-           for name, temperature, odirect, threads in sp.READ_PATHS]
+FIGURES = sp.READ_PATHS              # (figure, temperature, O_DIRECT, threads), as kvfs and ext4 read
 
 
 class FloorFailed(bl.BenchError):
@@ -35,38 +34,15 @@ class FloorFailed(bl.BenchError):
 
 def make_floors(namespace_class, binary, root, size, threads):
     """One latencydev per floor, latency 0, no loop device (started by the caller)."""
-    floors = {}
-    for name, extra_args in FLOORS.items():
-        floor = namespace_class(f"floor-{name.replace('_', '-')}", binary, root, size, 0, threads)
-        floor.extra_args = extra_args
-        floor.attach = lambda teardown: None       # read through the mount, no loop device
-        floors[name] = floor
-    return floors
+    return {name: namespace_class(f"floor-{name.replace('_', '-')}", binary, root, size, 0, threads,
+                                  loop=False, extra_args=extra_args)
+            for name, extra_args in FLOORS.items()}
 
 
 def describe(floor):
     return {"file": str(floor.file), "size": floor.size, "latency_us": 0,
             "daemon_threads": floor.threads, "options": list(floor.extra_args),
             "daemon_init": floor.init}
-
-
-def _read_pass(path, buffers, file_bytes, threads, odirect):
-    """Each file read whole with one preadv() at its place in the floor's file, through
-    an open of its own (as bench_softpath reads each file)."""
-    flags = os.O_RDONLY | (os.O_DIRECT if odirect else 0)
-    got = [0] * len(buffers)
-
-    def read_one(_state, index):
-        fd = os.open(path, flags)
-        try:
-            got[index] = os.preadv(fd, [memoryview(buffers[index])[:file_bytes]], index * file_bytes)
-        finally:
-            os.close(fd)
-        if got[index] != file_bytes:
-            raise bl.ShortIO(f"preadv({path}) at file {index} returned {got[index]} of {file_bytes} bytes")
-
-    timing = bl.run_parallel(range(len(buffers)), threads, read_one)
-    return timing, sum(got)
 
 
 def run_floor(floor, contents, expected, buffers, file_bytes):
@@ -79,20 +55,21 @@ def run_floor(floor, contents, expected, buffers, file_bytes):
                 raise bl.ShortIO(f"pwrite({floor.file}) at file {index} was short")
     finally:
         os.close(fd)
+    # Each file through an open of its own, at its place in the floor's one file.
+    paths, offsets = [floor.file] * count, [index * file_bytes for index in range(count)]
     result = {}
     for name, temperature, odirect, threads in FIGURES:
         if temperature == "hot":
-            _read_pass(floor.file, buffers, file_bytes, sp.WRITERS, False)   # warm-up, not measured
+            sp.read_pass(paths, buffers, file_bytes, sp.WRITERS, False, offsets)  # warm-up, not measured
         else:
             bl.drop_kernel_caches()
         for buf in buffers:
             bl.zero_buffer(buf)
         floor.served()                                    # counts from here
-        timing, nbytes = _read_pass(floor.file, buffers, file_bytes, threads, odirect)
+        timing, nbytes = sp.read_pass(paths, buffers, file_bytes, threads, odirect, offsets)
         served = floor.served()["read_bytes"]
-        for index, (buf, digest) in enumerate(zip(buffers, expected, strict=True)):
-            if bl.content_hash(memoryview(buf)[:file_bytes]) != digest:
-                raise FloorFailed(f"{floor.name} {name}: file {index} read back differs from what was written")
+        sp.verify([f"{floor.name} {name}, file at offset {offset}" for offset in offsets],
+                  buffers, file_bytes, expected)
         if temperature == "cold" and served < nbytes:
             raise FloorFailed(f"{floor.name} {name}: the daemon served {served} bytes for {nbytes} read, "
                               "so part of the cold read came from a cache")
